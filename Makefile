@@ -1,0 +1,53 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - run the main example
+#   make test   - lint, type-check and run the whole test suite
+#
+# Both create a virtual environment in $(VENV) if there is none and install the project
+# with its test extras. Torch:
+#   - default: TORCH_SPEC=torch==2.13.0 (a CPU build on the project's machines);
+#   - your own torch (e.g. a CUDA build): reuse an environment that already has it with
+#     `make test VENV=/path/to/env`, or let a new venv see the system one with
+#     `make test VENV_ARGS=--system-site-packages`; torch is only installed when the
+#     environment cannot import it. TORCH_SPEC / TORCH_PIP_ARGS pick another build.
+
+PYTHON ?= python3
+VENV ?= .venv
+VENV_ARGS ?=
+TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dbo-installed
+
+.PHONY: demo test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "using the torch already in $(VENV): $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	else \
+		$(BIN)/python -m pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install -e ".[test]"
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/python examples/workspace_demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check dbo workspace comm examples tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy dbo workspace comm
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/workspace_alloc.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

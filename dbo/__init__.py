@@ -1,0 +1,69 @@
+"""dbo: dual-batch overlap for PyTorch.
+
+Split a batch into microbatches ("ubatches"), run each in its own thread, and pass a
+baton between them so that one ubatch's communication overlaps another's compute:
+
+    import dbo
+
+    def forward(x):
+        for layer in layers:
+            x = layer.attention(x)
+            dbo.yield_()            # let the other ubatch run while ...
+            x = layer.moe(x)        # ... (comm.* collectives yield by themselves)
+        return x
+
+    y = dbo.overlap(forward)(x)     # bitwise equal to forward on the two halves in turn
+
+Every call used inside `fn` is a cheap no-op outside an overlap (ubatch id 0, not
+enabled, one ubatch), so model code written for DBO also runs without it.
+"""
+
+from dbo.api import (
+    current_stream,
+    current_ubatch_id,
+    enabled,
+    maybe_run_recv_hook,
+    num_ubatches,
+    on_comm_stream,
+    register_recv_hook,
+    switch_to_comm,
+    switch_to_compute,
+    yield_,
+    yield_and_switch_to_comm,
+    yield_and_switch_to_compute,
+)
+from dbo.errors import OverlapTimeoutError, UBatchAbortedError
+from dbo.overlap import close_default_runners, overlap
+from dbo.runner import UBatchRunner
+from dbo.split import (
+    TokenSplit,
+    balanced_token_split,
+    default_merge,
+    default_split,
+    merge_parts,
+)
+
+__all__ = [
+    "OverlapTimeoutError",
+    "TokenSplit",
+    "UBatchAbortedError",
+    "UBatchRunner",
+    "balanced_token_split",
+    "close_default_runners",
+    "current_stream",
+    "current_ubatch_id",
+    "default_merge",
+    "default_split",
+    "enabled",
+    "maybe_run_recv_hook",
+    "merge_parts",
+    "num_ubatches",
+    "on_comm_stream",
+    "overlap",
+    "register_recv_hook",
+    "switch_to_comm",
+    "switch_to_compute",
+    "yield_",
+    "yield_and_switch_to_comm",
+    "yield_and_switch_to_compute",
+]

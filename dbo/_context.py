@@ -1,0 +1,77 @@
+"""Which ubatch the calling thread runs, if any.
+
+Each ubatch thread of a running overlap is *registered* with a `UBatchContext` for
+exactly the duration of its run. The context lives in a `threading.local`, so a
+lookup is one attribute read, it never needs a lock, and a thread that was never
+registered (the caller, a data-loader thread, a thread the user started inside a
+ubatch) simply sees no context and behaves as outside an overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class UBatchContext:
+    """What a registered ubatch thread knows about itself."""
+
+    ubatch_id: int
+    """This thread's ubatch id, 0 .. num_ubatches - 1."""
+    num_ubatches: int
+    """How many ubatches the running overlap has."""
+    scheduler: Any = None
+    """The run's baton scheduler; None for a bare registration (tests, workspace slots)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ubatch_id < self.num_ubatches:
+            raise ValueError(
+                f"ubatch_id must be in [0, {self.num_ubatches}), got {self.ubatch_id}"
+            )
+
+
+class _ThreadState(threading.local):
+    context: UBatchContext | None = None
+
+
+_state = _ThreadState()
+_count_lock = threading.Lock()
+_num_registered = 0
+
+
+def current_context() -> UBatchContext | None:
+    """The calling thread's context, or None outside a ubatch thread."""
+    return _state.context
+
+
+def num_registered_threads() -> int:
+    """How many threads are registered right now (0 when no overlap runs)."""
+    return _num_registered
+
+
+@contextmanager
+def registered(context: UBatchContext) -> Iterator[UBatchContext]:
+    """Register the calling thread as `context.ubatch_id` for the body's duration.
+
+    Raises RuntimeError if the thread is already registered: a thread runs one ubatch
+    at a time. The registration is removed in `finally`, even when the body raises.
+    """
+    global _num_registered
+    if _state.context is not None:
+        raise RuntimeError(
+            f"this thread already runs ubatch {_state.context.ubatch_id}; "
+            "a thread can be registered for one ubatch at a time"
+        )
+    _state.context = context
+    with _count_lock:
+        _num_registered += 1
+    try:
+        yield context
+    finally:
+        _state.context = None
+        with _count_lock:
+            _num_registered -= 1

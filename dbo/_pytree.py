@@ -1,0 +1,141 @@
+"""A small pytree: tuples, lists, dicts, namedtuples and dataclasses, with readable paths.
+
+The runtime needs three things from a nested argument structure: its leaves with a path
+for error messages ("args[0]", "kwargs['mask']", "out.logits"), a structure that can be
+compared between ubatches, and a way to rebuild it from new leaves. `torch.Size` and
+strings are leaves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class TreeSpec:
+    """The structure of a pytree; `==` compares structure, not leaf values."""
+
+    __slots__ = ("kind", "node_type", "keys", "children", "template")
+
+    def __init__(
+        self,
+        kind: str,
+        node_type: type | None = None,
+        keys: tuple[Any, ...] = (),
+        children: tuple[TreeSpec, ...] = (),
+        template: Any = None,
+    ) -> None:
+        self.kind = kind
+        self.node_type = node_type
+        self.keys = keys
+        self.children = children
+        self.template = template  # a dataclass instance to copy when rebuilding
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.kind, self.node_type, self.keys, self.children)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TreeSpec) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    @property
+    def num_leaves(self) -> int:
+        if self.kind == "leaf":
+            return 1
+        return sum(child.num_leaves for child in self.children)
+
+    def __repr__(self) -> str:
+        if self.kind == "leaf":
+            return "*"
+        name = self.node_type.__name__ if self.node_type is not None else self.kind
+        return f"{name}({', '.join(repr(child) for child in self.children)})"
+
+
+_LEAF = TreeSpec("leaf")
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def _children(value: Any) -> tuple[str, type | None, tuple[Any, ...], list[Any]] | None:
+    """(kind, type, keys, child values) of a container node, or None for a leaf."""
+    if _is_namedtuple(value):
+        return "namedtuple", type(value), tuple(type(value)._fields), list(value)
+    if type(value) in (tuple, list):
+        return type(value).__name__, type(value), tuple(range(len(value))), list(value)
+    if isinstance(value, dict):
+        keys = tuple(value.keys())
+        return "dict", type(value), keys, [value[key] for key in keys]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = tuple(field.name for field in dataclasses.fields(value))
+        return "dataclass", type(value), names, [getattr(value, name) for name in names]
+    return None
+
+
+def _child_path(path: str, kind: str, key: Any) -> str:
+    if kind in ("dataclass", "namedtuple"):
+        return f"{path}.{key}"
+    return f"{path}[{key!r}]"
+
+
+def flatten(tree: Any, path: str = "") -> tuple[list[Any], list[str], TreeSpec]:
+    """Leaves in depth-first order, their paths (rooted at `path`), and the structure."""
+    leaves: list[Any] = []
+    paths: list[str] = []
+
+    def visit(node: Any, node_path: str) -> TreeSpec:
+        described = _children(node)
+        if described is None:
+            leaves.append(node)
+            paths.append(node_path)
+            return _LEAF
+        kind, node_type, keys, values = described
+        children = tuple(
+            visit(child, _child_path(node_path, kind, key))
+            for key, child in zip(keys, values)
+        )
+        template = node if kind == "dataclass" else None
+        return TreeSpec(kind, node_type, keys, children, template)
+
+    spec = visit(tree, path)
+    return leaves, paths, spec
+
+
+def unflatten(spec: TreeSpec, leaves: list[Any]) -> Any:
+    """Rebuild a tree of structure `spec` from `leaves` (depth-first order)."""
+    iterator = iter(leaves)
+
+    def build(node: TreeSpec) -> Any:
+        if node.kind == "leaf":
+            return next(iterator)
+        values = [build(child) for child in node.children]
+        assert node.node_type is not None, "container specs always record their type"
+        if node.kind == "namedtuple":
+            return node.node_type(*values)
+        if node.kind in ("tuple", "list"):
+            return node.node_type(values)
+        if node.kind == "dict":
+            return node.node_type(zip(node.keys, values))
+        rebuilt = copy.copy(node.template)
+        for name, value in zip(node.keys, values):
+            object.__setattr__(rebuilt, name, value)  # works for frozen dataclasses too
+        return rebuilt
+
+    return build(spec)
+
+
+def iter_leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, leaf) pairs of `tree`, depth-first."""
+    leaves, paths, _ = flatten(tree, path)
+    return zip(paths, leaves)
+
+
+def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """The same structure with every leaf replaced by `fn(leaf)`."""
+    leaves, _, spec = flatten(tree)
+    return unflatten(spec, [fn(leaf) for leaf in leaves])

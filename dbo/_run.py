@@ -1,0 +1,115 @@
+"""One overlap run: the baton, each ubatch's streams, and the recv hooks.
+
+A `UBatchRunner` creates an `OverlapRun` per call; ubatch threads reach it through
+their registered `UBatchContext.scheduler`, which is how the module-level functions
+(`dbo.yield_()`, `dbo.switch_to_comm()`, ...) find the run they belong to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dbo.baton import Baton
+from dbo.device import DeviceBackend
+
+
+@dataclass
+class UBatchStreams:
+    """The two streams of one ubatch; the runner keeps them across runs."""
+
+    compute: Any
+    comm: Any
+
+
+class OverlapRun:
+    """Per-call state shared by the ubatch threads of one run."""
+
+    def __init__(
+        self, num_ubatches: int, backend: DeviceBackend, streams: list[UBatchStreams], owner: object
+    ) -> None:
+        self.num_ubatches = num_ubatches
+        self.backend = backend
+        self.streams = streams
+        self.owner = owner
+        """The runner that started this run (to refuse a run of the same runner inside it)."""
+        self.baton = Baton(num_ubatches)
+        self.on_comm = [False] * num_ubatches
+        self.fork_event: Any = None
+        self.join_events: list[list[Any]] = [[] for _ in range(num_ubatches)]
+        self._hooks_for: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
+        """Recv hooks waiting for ubatch k, registered by the ubatch before it in the ring."""
+        self._finished = [False] * num_ubatches
+        self.first_failure: tuple[int, BaseException] | None = None
+        """The ubatch that failed first and its exception (what the caller re-raises)."""
+
+    # ------------------------------------------------------------------ thread lifetime
+    def enter(self, ubatch_id: int) -> None:
+        """In ubatch `ubatch_id`'s thread, before `fn`: fork its streams from the caller's."""
+        streams = self.streams[ubatch_id]
+        self.backend.enter_thread()
+        self.backend.wait_event(streams.compute, self.fork_event)
+        self.backend.wait_event(streams.comm, self.fork_event)
+        self.backend.set_current_stream(streams.compute)
+        self.on_comm[ubatch_id] = False
+
+    def exit(self, ubatch_id: int, previous_stream: Any) -> None:
+        """After `fn`: record the events the caller's stream joins on; restore the stream."""
+        streams = self.streams[ubatch_id]
+        self.join_events[ubatch_id] = [
+            self.backend.record_event(streams.compute),
+            self.backend.record_event(streams.comm),
+        ]
+        self.backend.set_current_stream(previous_stream)
+
+    def run_remaining_hooks(self, ubatch_id: int) -> None:
+        """At a ubatch's normal end: run the hooks still pending for it, then the hooks it
+        registered for a ubatch that has already finished (nobody else would run them)."""
+        self.maybe_run_recv_hook(ubatch_id)
+        self._finished[ubatch_id] = True
+        target = (ubatch_id + 1) % self.num_ubatches
+        if self._finished[target]:
+            self.maybe_run_recv_hook(target)
+
+    # ------------------------------------------------------------------ ubatch-side API
+    def current_stream(self, ubatch_id: int) -> Any:
+        streams = self.streams[ubatch_id]
+        return streams.comm if self.on_comm[ubatch_id] else streams.compute
+
+    def switch_stream(self, ubatch_id: int, to_comm: bool, yield_first: bool) -> None:
+        """Move `ubatch_id` to its comm (or compute) stream, ordered after the one it leaves.
+
+        The event is recorded on the stream being left *before* any yield, so it covers
+        only this ubatch's own work; recorded after the yield it would also cover the
+        other ubatch's kernels and serialize the two.
+        """
+        if self.on_comm[ubatch_id] == to_comm:
+            where = "comm" if to_comm else "compute"
+            raise RuntimeError(
+                f"ubatch {ubatch_id} is already on its {where} stream; each switch_to_comm() "
+                "must be matched by one switch_to_compute()"
+            )
+        streams = self.streams[ubatch_id]
+        leaving, entering = (
+            (streams.compute, streams.comm) if to_comm else (streams.comm, streams.compute)
+        )
+        event = self.backend.record_event(leaving)
+        if yield_first:
+            self.baton.yield_(ubatch_id)
+        self.backend.set_current_stream(entering)
+        self.backend.wait_event(entering, event)
+        self.on_comm[ubatch_id] = to_comm
+
+    def register_recv_hook(self, ubatch_id: int, hook: Callable[[], Any]) -> None:
+        self._hooks_for[(ubatch_id + 1) % self.num_ubatches].append(hook)
+
+    def maybe_run_recv_hook(self, ubatch_id: int) -> bool:
+        """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran."""
+        pending = self._hooks_for[ubatch_id]
+        if not pending:
+            return False
+        self._hooks_for[ubatch_id] = []
+        for hook in pending:
+            hook()
+        return True

@@ -1,0 +1,138 @@
+"""Calls for code running inside an overlap (all cheap no-ops outside one).
+
+Each function looks up the calling thread's registered ubatch; a thread that is not a
+ubatch thread of a running overlap (the caller, a helper thread) is "outside", so the
+same model code runs with or without DBO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dbo._context import current_context
+
+
+def _run_and_id() -> tuple[Any, int] | tuple[None, None]:
+    context = current_context()
+    if context is None or context.scheduler is None:
+        return None, None
+    return context.scheduler, context.ubatch_id
+
+
+def current_ubatch_id() -> int:
+    """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap."""
+    context = current_context()
+    return 0 if context is None else context.ubatch_id
+
+
+def enabled() -> bool:
+    """True in a ubatch thread of a running overlap; False everywhere else."""
+    return current_context() is not None
+
+
+def num_ubatches() -> int:
+    """The number of ubatches of the running overlap; 1 outside an overlap."""
+    context = current_context()
+    return 1 if context is None else context.num_ubatches
+
+
+def yield_() -> None:
+    """Pass the baton to the next live ubatch; return when it comes back.
+
+    Returns at once when this is the only live ubatch. Raises `UBatchAbortedError` if the
+    overlap is being aborted (another ubatch failed). Outside an overlap: no-op.
+    """
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.baton.yield_(ubatch_id)
+
+
+def switch_to_comm() -> None:
+    """Make this ubatch's comm stream current, ordered after its compute stream's work.
+
+    An event recorded on the compute stream is waited on by the comm stream, so the comm
+    stream sees everything this ubatch computed so far (CUDA). No yield. Raises
+    RuntimeError if the ubatch is already on its comm stream. Outside an overlap: no-op.
+    """
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.switch_stream(ubatch_id, to_comm=True, yield_first=False)
+
+
+def switch_to_compute() -> None:
+    """Make this ubatch's compute stream current, ordered after its comm stream's work.
+
+    Raises RuntimeError if the ubatch is already on its compute stream.
+    Outside an overlap: no-op.
+    """
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.switch_stream(ubatch_id, to_comm=False, yield_first=False)
+
+
+def yield_and_switch_to_comm() -> None:
+    """Record an event on the compute stream, yield, then switch to the comm stream.
+
+    The usual step before a collective: the other ubatch computes while this one waits
+    for the baton, and the event (recorded before the yield) covers only this ubatch's
+    compute. Outside an overlap: no-op.
+    """
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.switch_stream(ubatch_id, to_comm=True, yield_first=True)
+
+
+def yield_and_switch_to_compute() -> None:
+    """Record an event on the comm stream, yield, then switch to the compute stream.
+
+    The usual step after launching a collective: the other ubatch runs while this one's
+    communication is in flight. Outside an overlap: no-op.
+    """
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.switch_stream(ubatch_id, to_comm=False, yield_first=True)
+
+
+def current_stream() -> Any:
+    """This ubatch's current stream (a `torch.cuda.Stream`, or a `CpuStream` on CPU).
+
+    Outside an overlap: None (use the device's current stream).
+    """
+    run, ubatch_id = _run_and_id()
+    return None if run is None else run.current_stream(ubatch_id)
+
+
+def on_comm_stream() -> bool:
+    """True if this ubatch is on its comm stream; False on compute or outside an overlap."""
+    run, ubatch_id = _run_and_id()
+    return False if run is None else bool(run.on_comm[ubatch_id])
+
+
+def register_recv_hook(hook: Callable[[], Any]) -> None:
+    """Hand `hook` to the next ubatch in the ring, to run at its `maybe_run_recv_hook()`.
+
+    This is the pattern of low-latency all-to-all kernels that split send and receive:
+    ubatch i sends, registers the receive, yields; ubatch i+1 runs the receive when it
+    next calls `maybe_run_recv_hook()`. A hook still pending when its target ubatch
+    finishes runs before the overlap returns; an exception in a hook fails the overlap.
+
+    Outside an overlap there is no other ubatch, so the hook runs at once (dropping it
+    would silently lose the receive).
+    """
+    if not callable(hook):
+        raise TypeError(f"hook must be callable, got {hook!r}")
+    run, ubatch_id = _run_and_id()
+    if run is None:
+        hook()
+    else:
+        run.register_recv_hook(ubatch_id, hook)
+
+
+def maybe_run_recv_hook() -> bool:
+    """Run the hooks the previous ubatch registered for this one; True if any ran.
+
+    Each hook runs once. Outside an overlap: no-op, returns False.
+    """
+    run, ubatch_id = _run_and_id()
+    return False if run is None else run.maybe_run_recv_hook(ubatch_id)

@@ -1,0 +1,37 @@
+"""Errors raised by the ubatch runtime."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class UBatchAbortedError(RuntimeError):
+    """Raised at a yield point of a ubatch whose overlap is being aborted.
+
+    Another ubatch failed (or the watchdog fired); this ubatch is woken with this error so
+    that its `finally` blocks run and its thread is not left parked. The caller of the
+    overlap sees the original failure, not this error.
+    """
+
+
+class OverlapTimeoutError(RuntimeError):
+    """A ubatch held the baton longer than the overlap's `timeout_s`.
+
+    The message names the ubatch and shows its stack at the moment the watchdog fired.
+    """
+
+    def __init__(self, message: str, ubatch_id: int | None = None) -> None:
+        super().__init__(message)
+        self.ubatch_id = ubatch_id
+
+
+def attach_ubatch_id(error: BaseException, ubatch_id: int, num_ubatches: int) -> None:
+    """Record on `error` which ubatch raised it: a note, and a `ubatch_id` attribute."""
+    note = f"raised in ubatch {ubatch_id} of {num_ubatches} (dbo overlap)"
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: same attribute that add_note fills in
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+    # Exception types without a __dict__ keep only the note.
+    with contextlib.suppress(AttributeError, TypeError):
+        error.ubatch_id = ubatch_id  # type: ignore[attr-defined]

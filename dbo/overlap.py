@@ -1,0 +1,177 @@
+"""`dbo.overlap`: wrap a callable so that each call runs as overlapped ubatches."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+import torch
+
+from dbo._context import current_context
+from dbo._pytree import flatten
+from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout
+from dbo.split import UBatchInputs, batch_size, default_merge, default_split
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SplitFn = Callable[[tuple[Any, ...], dict[str, Any], int], UBatchInputs]
+"""`split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`"""
+MergeFn = Callable[[Sequence[Any]], Any]
+"""`merge([output_0, output_1, ...]) -> output`"""
+
+
+class _DefaultRunners:
+    """The runners `dbo.overlap` shares, one per (num_ubatches, device); closed at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runners: dict[tuple[int, torch.device | None], UBatchRunner] = {}
+        self._atexit_registered = False
+
+    def get(self, num_ubatches: int, device: torch.device | None) -> UBatchRunner:
+        key = (num_ubatches, device)
+        with self._lock:
+            runner = self._runners.get(key)
+            if runner is None or runner.closed or runner.broken:
+                runner = self._runners[key] = UBatchRunner(num_ubatches, device)
+                if not self._atexit_registered:
+                    atexit.register(self.close_all)
+                    self._atexit_registered = True
+            return runner
+
+    def close_all(self) -> None:
+        with self._lock:
+            runners, self._runners = list(self._runners.values()), {}
+        for runner in runners:
+            runner.close(timeout_s=1.0)
+
+
+_default_runners = _DefaultRunners()
+
+
+def close_default_runners() -> None:
+    """Close the worker threads `dbo.overlap` created (they are recreated on next use)."""
+    _default_runners.close_all()
+
+
+@overload
+def overlap(
+    fn: F,
+    *,
+    num_ubatches: int = 2,
+    split: SplitFn | None = None,
+    merge: MergeFn | None = None,
+    min_batch_size: int | None = None,
+    timeout_s: float | None = None,
+    device: torch.device | str | int | None = None,
+) -> F: ...
+
+
+@overload
+def overlap(
+    fn: None = None,
+    *,
+    num_ubatches: int = 2,
+    split: SplitFn | None = None,
+    merge: MergeFn | None = None,
+    min_batch_size: int | None = None,
+    timeout_s: float | None = None,
+    device: torch.device | str | int | None = None,
+) -> Callable[[F], F]: ...
+
+
+def overlap(
+    fn: Callable[..., Any] | None = None,
+    *,
+    num_ubatches: int = 2,
+    split: SplitFn | None = None,
+    merge: MergeFn | None = None,
+    min_batch_size: int | None = None,
+    timeout_s: float | None = None,
+    device: torch.device | str | int | None = None,
+) -> Any:
+    """Wrap `fn` so that each call splits its batch into ubatches and overlaps them.
+
+    Usable as `dbo.overlap(model)`, `dbo.overlap(model.forward, num_ubatches=3)`,
+    `@dbo.overlap` and `@dbo.overlap(num_ubatches=2)`. The wrapper has `fn`'s signature.
+
+    A call:
+      1. splits the arguments with `split` (default: every tensor leaf with ndim >= 1 of
+         args/kwargs along dim 0, like `torch.tensor_split`; other leaves go to every
+         ubatch unchanged; dim-0 sizes that differ raise ValueError naming the paths);
+      2. runs `fn` on part i in ubatch thread i, passing the baton at yield points (see
+         `UBatchRunner.run` for threading, stream and error semantics);
+      3. merges the outputs with `merge` (default: tensor leaves concatenated along dim
+         0 in ubatch order; `dbo.merge_parts` returns the parts without copying).
+
+    Runs `fn` once on the whole input in the calling thread, with no threads
+    (`dbo.enabled()` False), when the batch is smaller than `num_ubatches` or than
+    `min_batch_size`, or has no tensor to split. Called inside a ubatch (a nested
+    overlap), it also runs `fn` inline on its whole input: ubatches are not nested.
+
+    Args:
+        num_ubatches: ubatches per call, an int >= 1.
+        split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`.
+        merge: `merge([out_0, out_1, ...]) -> out`.
+        min_batch_size: below this batch size, run inline (overlap loses on small
+            batches). In a distributed job every rank must take the same decision, or
+            their collectives mismatch: use the same batch size on every rank.
+        timeout_s: watchdog; a ubatch holding the baton longer raises
+            `OverlapTimeoutError` naming it and showing its stack. None: no watchdog.
+        device: where the ubatch streams live; None: the first input tensor's device.
+    """
+    num_ubatches = check_num_ubatches(num_ubatches)
+    timeout_s = check_timeout(timeout_s)
+    if min_batch_size is not None and (
+        isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int)
+    ):
+        raise TypeError(f"min_batch_size must be an int or None, got {min_batch_size!r}")
+    for name, value in (("split", split), ("merge", merge)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be callable, got {value!r}")
+    resolved_device = None if device is None else torch.device(device)
+    if fn is None:
+        return functools.partial(
+            overlap,
+            num_ubatches=num_ubatches,
+            split=split,
+            merge=merge,
+            min_batch_size=min_batch_size,
+            timeout_s=timeout_s,
+            device=resolved_device,
+        )
+    if not callable(fn):
+        raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
+    target = fn
+
+    def overlapped(*args: Any, **kwargs: Any) -> Any:
+        if current_context() is not None:
+            return target(*args, **kwargs)  # nested: no ubatches inside a ubatch
+        size = batch_size(args, kwargs) if split is None else _leading_size(args, kwargs)
+        if size is None or size < num_ubatches or (
+            min_batch_size is not None and size < min_batch_size
+        ):
+            return target(*args, **kwargs)
+        parts = (split or default_split)(args, kwargs, num_ubatches)
+        runner = _default_runners.get(num_ubatches, resolved_device)
+        outputs = runner.run(target, parts, timeout_s=timeout_s)
+        return (merge or default_merge)(outputs)
+
+    if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
+        functools.update_wrapper(overlapped, fn, updated=())
+    else:
+        functools.update_wrapper(overlapped, fn)
+    overlapped.__wrapped__ = fn  # type: ignore[attr-defined]
+    return overlapped
+
+
+def _leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """dim 0 of the first tensor leaf (with a custom split, inputs may be ragged)."""
+    for tree in (args, kwargs):
+        for leaf in flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
+                return int(leaf.shape[0])
+    return None

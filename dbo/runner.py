@@ -1,0 +1,328 @@
+"""`UBatchRunner`: persistent ubatch worker threads that run one overlap at a time."""
+
+from __future__ import annotations
+
+import _thread
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dbo import _thread_settings
+from dbo._context import UBatchContext, current_context, registered
+from dbo._run import OverlapRun, UBatchStreams
+from dbo.device import DeviceBackend, backend_for
+from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
+
+_ABORT_GRACE_S = 0.5
+"""After the watchdog fires, how long the caller waits for the other ubatches to unwind."""
+
+
+def check_num_ubatches(num_ubatches: Any) -> int:
+    """Validate a ubatch count: an int >= 1 (TypeError / ValueError otherwise)."""
+    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
+        raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    return num_ubatches
+
+
+def check_timeout(timeout_s: Any) -> float | None:
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return float(timeout_s)
+
+
+class _Worker:
+    """One persistent thread; runs the jobs handed to it, one at a time."""
+
+    def __init__(self, name: str) -> None:
+        self._ready = _thread.allocate_lock()
+        self._ready.acquire()
+        self._job: Callable[[], None] | None = None
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable[[], None] | None) -> None:
+        """Run `job` in the worker; None ends the thread."""
+        self._job = job
+        self._ready.release()
+
+    def _loop(self) -> None:
+        while True:
+            self._ready.acquire()
+            job, self._job = self._job, None
+            if job is None:
+                return
+            job()
+
+
+class UBatchRunner:
+    """Runs a callable once per ubatch, in persistent worker threads, passing the baton.
+
+    Args:
+        num_ubatches: how many ubatches (and worker threads), >= 1.
+        device: where the ubatches' streams live. None: the device of the first tensor
+            in each run's inputs (CPU when there is none).
+
+    The workers start with the runner and live until `close()` (or interpreter exit:
+    they are daemon threads). One run at a time: concurrent `run` calls from several
+    threads are serialized. Use as a context manager to close it.
+    """
+
+    def __init__(self, num_ubatches: int = 2, device: torch.device | str | int | None = None):
+        self.num_ubatches = check_num_ubatches(num_ubatches)
+        self.device = None if device is None else torch.device(device)
+        self._run_lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None
+        self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
+        self._workers = [
+            _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}") for i in range(self.num_ubatches)
+        ]
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def broken(self) -> bool:
+        """True after a watchdog timeout left a ubatch thread stuck; the runner refuses runs."""
+        return self._broken is not None
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads (for diagnostics and tests)."""
+        return [worker.thread for worker in self._workers]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End the worker threads (waits up to `timeout_s` each). Idempotent."""
+        with self._run_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for worker in self._workers:
+                worker.submit(None)
+        if self._broken is None:
+            for worker in self._workers:
+                worker.thread.join(timeout_s)
+
+    def __enter__(self) -> UBatchRunner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ running
+    def run(
+        self,
+        fn: Callable[..., Any],
+        ubatch_inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
+        *,
+        timeout_s: float | None = None,
+    ) -> list[Any]:
+        """Run `fn(*args_i, **kwargs_i)` in ubatch thread i; return the outputs in order.
+
+        Threading: ubatch 0 starts; a ubatch gives the baton to the next live ubatch only
+        at a yield point (`dbo.yield_()` and the `yield_and_switch_*` calls) or when `fn`
+        returns or raises. Each ubatch thread runs with the caller's torch settings
+        (intra-op threads, grad / inference mode, autocast, CUDA device).
+
+        Streams (CUDA): ubatch i starts on its compute stream, which waits for the
+        caller's current stream; before `run` returns, the caller's current stream waits
+        for every ubatch's compute and comm streams. No host synchronization.
+
+        Errors: if a ubatch raises, the others raise `UBatchAbortedError` at their next
+        yield point (so their `finally` blocks run), and `run` re-raises the original
+        exception with a note naming the ubatch. With `timeout_s`, a ubatch that holds the
+        baton longer raises `OverlapTimeoutError` here, with that ubatch's stack.
+        """
+        timeout_s = check_timeout(timeout_s)
+        inputs = list(ubatch_inputs)
+        if len(inputs) != self.num_ubatches:
+            raise ValueError(
+                f"this runner has {self.num_ubatches} ubatches but got {len(inputs)} inputs"
+            )
+        for index, item in enumerate(inputs):
+            if (
+                not isinstance(item, tuple)
+                or len(item) != 2
+                or not isinstance(item[0], tuple)
+                or not isinstance(item[1], dict)
+            ):
+                raise TypeError(
+                    f"ubatch_inputs[{index}] must be an (args_tuple, kwargs_dict) pair, "
+                    f"got {type(item).__name__}"
+                )
+        context = current_context()
+        if context is not None and getattr(context.scheduler, "owner", None) is self:
+            raise RuntimeError(
+                "UBatchRunner.run was called from one of its own ubatch threads; a nested "
+                "overlap must run inline (dbo.overlap does this)"
+            )
+        with self._run_lock:
+            if self._closed:
+                raise RuntimeError("this UBatchRunner is closed; create a new one")
+            if self._broken is not None:
+                raise RuntimeError(f"this UBatchRunner is unusable: {self._broken}")
+            return self._run_locked(fn, inputs, timeout_s)
+
+    def _backend_and_streams(
+        self, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    ) -> tuple[DeviceBackend, list[UBatchStreams]]:
+        device = self.device if self.device is not None else _first_tensor_device(inputs)
+        cached = self._streams.get(device)
+        if cached is None:
+            backend = backend_for(device)
+            streams = [
+                UBatchStreams(backend.new_stream(f"compute{i}"), backend.new_stream(f"comm{i}"))
+                for i in range(self.num_ubatches)
+            ]
+            cached = self._streams[device] = (backend, streams)
+        return cached
+
+    def _run_locked(
+        self,
+        fn: Callable[..., Any],
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        timeout_s: float | None,
+    ) -> list[Any]:
+        backend, streams = self._backend_and_streams(inputs)
+        run = OverlapRun(self.num_ubatches, backend, streams, owner=self)
+        settings = _thread_settings.capture()
+        caller_stream = backend.current_stream()
+        run.fork_event = backend.record_event(caller_stream)
+        results: list[Any] = [None] * self.num_ubatches
+        errors: list[BaseException | None] = [None] * self.num_ubatches
+        for ubatch_id, (worker, (args, kwargs)) in enumerate(zip(self._workers, inputs)):
+            worker.submit(
+                _UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
+            )
+        run.baton.start()
+        try:
+            self._wait(run, timeout_s)
+        except BaseException:
+            # KeyboardInterrupt or the watchdog: wake everyone, give them a moment.
+            run.baton.abort("the overlap was interrupted", wake_all=True)
+            if not run.baton.wait_done(_ABORT_GRACE_S):
+                self._broken = (
+                    f"ubatch {run.baton.holder} is still running after the overlap was "
+                    "aborted; its thread cannot be reclaimed"
+                )
+            raise
+        for events in run.join_events:
+            for event in events:
+                backend.wait_event(caller_stream, event)
+        failure = run.first_failure or _first_failure(errors)
+        if failure is not None:
+            ubatch_id, error = failure
+            attach_ubatch_id(error, ubatch_id, self.num_ubatches)
+            raise error.with_traceback(error.__traceback__)
+        return results
+
+    def _wait(self, run: OverlapRun, timeout_s: float | None) -> None:
+        """Wait for the run to end; with `timeout_s`, watch how long the holder holds."""
+        baton = run.baton
+        if timeout_s is None:
+            baton.wait_done()
+            return
+        while True:
+            handoffs, holder, since = baton.num_handoffs, baton.holder, baton.holder_since
+            remaining = since + timeout_s - time.perf_counter()
+            if remaining > 0:
+                if baton.wait_done(remaining):
+                    return
+                continue
+            if baton.num_handoffs != handoffs or baton.wait_done(0):
+                continue  # the baton moved (or the run ended) while we looked
+            raise OverlapTimeoutError(
+                f"ubatch {holder} of {self.num_ubatches} held the baton for "
+                f"{time.perf_counter() - since:.2f} s, longer than timeout_s={timeout_s}; "
+                f"the other ubatches were aborted. Its stack:\n{self._stack_of(holder)}",
+                ubatch_id=holder,
+            )
+
+    def _stack_of(self, ubatch_id: int | None) -> str:
+        if ubatch_id is None:
+            return "  (no ubatch held the baton)"
+        ident = self._workers[ubatch_id].thread.ident
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        if frame is None:
+            return "  (the thread has no Python frame)"
+        return "".join(traceback.format_stack(frame))
+
+
+class _UBatchJob:
+    """What a worker thread does for ubatch `ubatch_id` of one run."""
+
+    __slots__ = ("run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors")
+
+    def __init__(
+        self,
+        run: OverlapRun,
+        ubatch_id: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        settings: _thread_settings.ThreadSettings,
+        results: list[Any],
+        errors: list[BaseException | None],
+    ) -> None:
+        self.run, self.ubatch_id, self.fn = run, ubatch_id, fn
+        self.args, self.kwargs, self.settings = args, kwargs, settings
+        self.results, self.errors = results, errors
+
+    def __call__(self) -> None:
+        run, ubatch_id = self.run, self.ubatch_id
+        try:
+            context = UBatchContext(ubatch_id, run.num_ubatches, run)
+            with registered(context), _thread_settings.applied(self.settings):
+                run.baton.wait_turn(ubatch_id)
+                previous_stream = run.backend.current_stream()
+                run.enter(ubatch_id)
+                try:
+                    self.results[ubatch_id] = self.fn(*self.args, **self.kwargs)
+                    run.run_remaining_hooks(ubatch_id)
+                finally:
+                    run.exit(ubatch_id, previous_stream)
+        except BaseException as error:  # noqa: B036 - every failure must reach the caller
+            self.errors[ubatch_id] = error
+            if not isinstance(error, UBatchAbortedError):
+                if run.first_failure is None:  # this thread holds the baton: no race
+                    run.first_failure = (ubatch_id, error)
+                run.baton.abort(f"ubatch {ubatch_id} raised {type(error).__name__}: {error}")
+        finally:
+            # Drop references before waking the caller: the inputs and fn belong to it.
+            self.args = self.kwargs = self.fn = None  # type: ignore[assignment]
+            run.baton.finish(ubatch_id)
+
+
+def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:
+    """The error that caused the failure: the first that is not an abort, else the first."""
+    for ubatch_id, error in enumerate(errors):
+        if error is not None and not isinstance(error, UBatchAbortedError):
+            return ubatch_id, error
+    for ubatch_id, error in enumerate(errors):
+        if error is not None:
+            return ubatch_id, error
+    return None
+
+
+def _first_tensor_device(inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> torch.device:
+    from dbo._pytree import flatten
+
+    for args, kwargs in inputs:
+        for tree in (args, kwargs):
+            for leaf in flatten(tree)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    return leaf.device
+    return torch.device("cpu")

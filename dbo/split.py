@@ -1,0 +1,256 @@
+"""Splitting a batch into ubatches and merging the ubatch outputs back.
+
+Default split: every tensor leaf with `ndim >= 1` of the arguments is split along dim 0
+exactly like `torch.tensor_split(x, num_ubatches, dim=0)`; other leaves go to every
+ubatch unchanged. Default merge: tensor leaves are concatenated along dim 0 in ubatch
+order. `merge_parts` skips the copy and returns the per-ubatch outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dbo._pytree import flatten, unflatten
+
+UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
+"""One `(args, kwargs)` pair per ubatch, in ubatch order."""
+
+
+def _splittable_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    _, paths, _ = flatten(args, "args")
+    leaves, _, _ = flatten(args)
+    found = [(p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.ndim >= 1]
+    kw_leaves, kw_paths, _ = flatten(kwargs, "kwargs")
+    found += [
+        (p, x) for p, x in zip(kw_paths, kw_leaves) if isinstance(x, torch.Tensor) and x.ndim >= 1
+    ]
+    return found
+
+
+def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The common dim-0 size of the tensor leaves (ndim >= 1); None if there are none.
+
+    Raises ValueError naming the argument paths when the sizes differ.
+    """
+    leaves = _splittable_leaves(args, kwargs)
+    if not leaves:
+        return None
+    sizes = {x.shape[0] for _, x in leaves}
+    if len(sizes) > 1:
+        described = ", ".join(f"{path}: {x.shape[0]}" for path, x in leaves)
+        raise ValueError(
+            "dbo.overlap splits every tensor argument along dim 0, but their dim-0 sizes "
+            f"differ ({described}); pass split= for ragged inputs, or pass the tensors "
+            "that must not be split inside a non-tensor wrapper"
+        )
+    return sizes.pop()
+
+
+def default_split(
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
+) -> UBatchInputs:
+    """Split every tensor leaf (ndim >= 1) like `torch.tensor_split(x, num_ubatches)`.
+
+    Tensor contract: ubatch i gets views (no copy) of rows
+    `[i * B // n + min(i, B % n) ...)` of each tensor, exactly `torch.tensor_split`'s
+    parts; 0-dim tensors and non-tensor leaves are passed to every ubatch unchanged.
+    """
+    batch_size(args, kwargs)  # validates that dim-0 sizes agree
+    parts: UBatchInputs = []
+    flat_args, _, args_spec = flatten(args)
+    flat_kwargs, _, kwargs_spec = flatten(kwargs)
+
+    def pieces(leaves: list[Any]) -> list[list[Any]]:
+        per_leaf = [
+            torch.tensor_split(x, num_ubatches, dim=0)
+            if isinstance(x, torch.Tensor) and x.ndim >= 1
+            else [x] * num_ubatches
+            for x in leaves
+        ]
+        return [[leaf_parts[i] for leaf_parts in per_leaf] for i in range(num_ubatches)]
+
+    for arg_leaves, kwarg_leaves in zip(pieces(flat_args), pieces(flat_kwargs)):
+        parts.append((unflatten(args_spec, arg_leaves), unflatten(kwargs_spec, kwarg_leaves)))
+    return parts
+
+
+def default_merge(outputs: Sequence[Any]) -> Any:
+    """Concatenate the tensor leaves of the ubatch outputs along dim 0, in ubatch order.
+
+    All outputs must have the same structure. A non-tensor leaf must be equal in every
+    output (it is returned once); 0-dim tensors cannot be concatenated. Both cases that do
+    not hold raise ValueError naming the leaf: pass `merge=` to combine them your way.
+    The concatenation copies every output once; `merge_parts` avoids the copy.
+    """
+    flattened = [flatten(output, "output") for output in outputs]
+    _, paths, spec = flattened[0]
+    for index, (_, _, other_spec) in enumerate(flattened[1:], start=1):
+        if other_spec != spec:
+            raise ValueError(
+                f"dbo.overlap cannot merge: ubatch 0 returned {spec!r} but ubatch {index} "
+                f"returned {other_spec!r}; return the same structure from every ubatch, or "
+                "pass merge="
+            )
+    merged = []
+    for position, path in enumerate(paths):
+        values = [leaves[position] for leaves, _, _ in flattened]
+        first = values[0]
+        if isinstance(first, torch.Tensor):
+            if first.ndim == 0:
+                raise ValueError(
+                    f"dbo.overlap cannot merge {path}: it is a 0-dim tensor in each ubatch; "
+                    "pass merge= to combine it (for example a sum)"
+                )
+            merged.append(torch.cat(values, dim=0))
+        elif all(_same(first, value) for value in values[1:]):
+            merged.append(first)
+        else:
+            raise ValueError(
+                f"dbo.overlap cannot merge {path}: the ubatches returned different "
+                f"non-tensor values {values!r}; pass merge= to combine them"
+            )
+    return unflatten(spec, merged)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def merge_parts(outputs: Sequence[Any]) -> list[Any]:
+    """A merge that copies nothing: the list of per-ubatch outputs, in ubatch order.
+
+    Use it (`dbo.overlap(fn, merge=dbo.merge_parts)`) when the consumer can take the parts,
+    or when `fn` already wrote its rows into a shared output buffer.
+    """
+    return list(outputs)
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """One ubatch's share of a ragged token batch."""
+
+    token_slice: slice
+    """The ubatch's tokens: rows of the flattened token batch."""
+    request_slice: slice
+    """The requests with at least one token in `token_slice` (a request split over two
+    ubatches appears in both)."""
+
+
+def balanced_token_split(
+    num_tokens_per_request: Sequence[int] | torch.Tensor,
+    num_ubatches: int,
+    *,
+    allow_straddle: bool = True,
+) -> list[TokenSplit]:
+    """Split a ragged batch of requests into `num_ubatches` contiguous token ranges.
+
+    Args:
+        num_tokens_per_request: token count of each request, in batch order.
+        num_ubatches: how many ubatches (>= 1).
+        allow_straddle: if True, token counts differ by at most one and a request may
+            continue from one ubatch into the next; if False, the split falls on request
+            boundaries and minimises the largest ubatch's token count.
+
+    Returns one `TokenSplit` per ubatch, in order; the token slices tile `[0, total)`.
+    A ubatch may be empty (zero tokens) when there are fewer tokens or requests than ubatches.
+    """
+    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
+        raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    if isinstance(num_tokens_per_request, torch.Tensor):
+        if num_tokens_per_request.ndim != 1:
+            raise ValueError(
+                "num_tokens_per_request must be 1-D, got shape "
+                f"{tuple(num_tokens_per_request.shape)}"
+            )
+        counts = [int(c) for c in num_tokens_per_request.tolist()]
+    else:
+        counts = [operator.index(c) for c in num_tokens_per_request]
+    if any(c < 0 for c in counts):
+        raise ValueError(f"token counts must be >= 0, got {counts}")
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    total = starts[-1]
+    if allow_straddle:
+        base, extra = divmod(total, num_ubatches)
+        bounds = [0]
+        for i in range(num_ubatches):
+            bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    else:
+        bounds = _min_max_boundaries(starts, num_ubatches)
+    return [
+        TokenSplit(slice(lo, hi), _requests_touching(starts, lo, hi))
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+
+
+def _requests_touching(starts: list[int], lo: int, hi: int) -> slice:
+    """Requests r with tokens in [lo, hi): starts[r] < hi and starts[r + 1] > lo."""
+    import bisect
+
+    if hi <= lo:
+        first = bisect.bisect_right(starts, lo) - 1
+        first = max(0, min(first, len(starts) - 1))
+        return slice(first, first)
+    first = bisect.bisect_right(starts, lo) - 1
+    last = bisect.bisect_left(starts, hi)  # one past the last request starting before hi
+    return slice(first, last)
+
+
+def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
+    """Token boundaries on request boundaries that minimise the largest ubatch.
+
+    The smallest feasible largest-ubatch size comes from a binary search with a greedy
+    feasibility pass. The split returned is the one that puts each boundary at the request
+    boundary nearest to the ideal `k * total / n` when that reaches the optimum (the
+    common case, and the most even split), else the greedy split at the optimum.
+    """
+    import bisect
+
+    counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    total = starts[-1]
+
+    def greedy(limit: int) -> list[int] | None:
+        bounds = [0]
+        filled = 0
+        for index, count in enumerate(counts):
+            if filled + count > limit:
+                bounds.append(starts[index])
+                filled = 0
+            filled += count
+        if len(bounds) > num_ubatches:
+            return None
+        return bounds + [total] * (num_ubatches + 1 - len(bounds))
+
+    lo, hi = max(counts, default=0), total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    nearest = [0]
+    for k in range(1, num_ubatches):
+        ideal = k * total / num_ubatches
+        index = bisect.bisect_left(starts, ideal)
+        candidates = [starts[j] for j in (index - 1, index) if 0 <= j < len(starts)]
+        cut = min(candidates, key=lambda c: (abs(c - ideal), c))
+        nearest.append(max(cut, nearest[-1]))
+    nearest.append(total)
+    if max(b - a for a, b in zip(nearest[:-1], nearest[1:])) <= lo:
+        return nearest
+    bounds = greedy(lo)
+    assert bounds is not None, "the binary search ends on a feasible limit"
+    return bounds

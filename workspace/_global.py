@@ -1,0 +1,71 @@
+"""The process-wide workspace manager, behind accessor functions.
+
+Modules deep inside a model reach their scratch memory through
+`current_workspace_manager()` instead of having a manager threaded through every call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from workspace.manager import WorkspaceManager
+
+_holder_lock = threading.Lock()
+_manager: WorkspaceManager | None = None
+
+
+def init_workspace_manager(
+    device: torch.device | str | int, num_ubatches: int | None = None
+) -> WorkspaceManager:
+    """Create the process-wide manager (idempotent for the same device and slot count).
+
+    Raises RuntimeError if a manager with another device or slot count exists: call
+    `reset_workspace_manager()` first (no thread may still use the old one).
+    """
+    global _manager
+    wanted = WorkspaceManager(device, num_ubatches)  # validates; allocates nothing
+    with _holder_lock:
+        if _manager is None:
+            _manager = wanted
+        elif (_manager.device, _manager.num_ubatches) != (wanted.device, wanted.num_ubatches):
+            raise RuntimeError(
+                f"a workspace manager already exists ({_manager!r}); call "
+                "reset_workspace_manager() before initializing one with "
+                f"device={wanted.device}, num_ubatches={wanted.num_ubatches}"
+            )
+        return _manager
+
+
+def is_workspace_manager_initialized() -> bool:
+    """Whether `init_workspace_manager` has been called (and not reset since)."""
+    return _manager is not None
+
+
+def current_workspace_manager() -> WorkspaceManager:
+    """The process-wide manager. Raises RuntimeError if none was initialized."""
+    manager = _manager
+    if manager is None:
+        raise RuntimeError(
+            "the workspace manager is not initialized; call "
+            "workspace.init_workspace_manager(device, num_ubatches) first"
+        )
+    return manager
+
+
+def lock_workspace() -> None:
+    """`current_workspace_manager().lock()`."""
+    current_workspace_manager().lock()
+
+
+def unlock_workspace() -> None:
+    """`current_workspace_manager().unlock()`."""
+    current_workspace_manager().unlock()
+
+
+def reset_workspace_manager() -> None:
+    """Forget the process-wide manager; its buffers are freed once no view refers to them."""
+    global _manager
+    with _holder_lock:
+        _manager = None

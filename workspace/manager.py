@@ -1,0 +1,435 @@
+"""Scratch memory handed out as views of one preallocated byte buffer per ubatch slot.
+
+Hot-path modules (attention, MoE routing, ...) need temporary tensors every step.
+Allocating them with `torch.empty` costs allocator time and fragments device memory.
+`WorkspaceManager` keeps one 1-D `torch.uint8` buffer per ubatch slot and returns
+typed views into it, so that after warmup the hot path never allocates.
+
+Contract of `get_simultaneous` (see its docstring): views of one call never overlap,
+each starts at an address that is a multiple of 256 bytes, and they stay valid until the
+*same slot's* next call, which reuses the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import dbo
+
+ALIGNMENT_BYTES = 256
+"""Every view starts at an absolute address that is a multiple of this."""
+
+_MAX_CACHED_REQUESTS = 1024
+"""Distinct requests remembered per slot; beyond this the cache starts over."""
+
+_MB = float(1 << 20)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+logger = logging.getLogger("workspace")
+
+
+class WorkspaceLockedError(RuntimeError):
+    """A request needed more bytes than the locked capacity."""
+
+
+class WorkspaceAllocationError(RuntimeError):
+    """The device could not allocate a slot's buffer; the manager stays usable."""
+
+
+@dataclass(frozen=True)
+class WorkspaceStats:
+    """A snapshot of a manager's memory, from `WorkspaceManager.stats()`."""
+
+    capacity_bytes: int
+    """The shared capacity: the size every slot has once it is realized."""
+    realized_bytes_per_slot: tuple[int, ...]
+    """Bytes each slot holds now (0: not allocated yet; < capacity: realized lazily later)."""
+    num_resizes: int
+    """How many times the shared capacity rose."""
+    num_allocations: int
+    """How many slot buffers were allocated, all slots together."""
+    locked: bool
+    """Whether growth is forbidden."""
+    top_call_sites: tuple[tuple[str, int], ...]
+    """Up to 5 `(file:line:function, bytes)`: the call sites that asked for the most bytes,
+    largest first. A site is recorded when its request is first seen by a slot; repeated
+    requests take the fast path, which does not inspect the stack."""
+
+
+def _round_up(num_bytes: int, multiple: int) -> int:
+    return (num_bytes + multiple - 1) // multiple * multiple
+
+
+def _caller_outside_package() -> str:
+    """`file:line:function` of the innermost frame outside the workspace package."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == (
+        _PACKAGE_DIR
+    ):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}"
+
+
+def _debug_enabled() -> bool:
+    return os.environ.get("DBO_DEBUG_WORKSPACE", "") not in ("", "0")
+
+
+def _debug_log(message: str, *args: Any) -> None:
+    """Log at INFO when DBO_DEBUG_WORKSPACE is set.
+
+    Asking for the logs with the variable should show them even in a program that never
+    configured `logging`: in that case a stderr handler is attached once.
+    """
+    if not _debug_enabled():
+        return
+    if not logger.hasHandlers():
+        logger.addHandler(logging.StreamHandler())
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    logger.info(message, *args)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each tensor of one request lives in a slot: byte offsets 256-aligned from 0."""
+
+    items: tuple[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int], ...]
+    """(dtype, shape, contiguous stride, byte offset) per requested tensor."""
+    total_bytes: int
+
+
+def _normalize_request(index: int, request: Any) -> tuple[tuple[int, ...], torch.dtype]:
+    """Check one `(shape, dtype)` request; raise TypeError/ValueError naming it."""
+    if not isinstance(request, Sequence) or isinstance(request, str) or len(request) != 2:
+        raise TypeError(
+            f"workspace request {index} must be a (shape, dtype) pair, got {request!r}"
+        )
+    shape, dtype = request
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"workspace request {index}: dtype must be a torch.dtype, got {dtype!r} "
+            f"of type {type(dtype).__name__}"
+        )
+    if isinstance(shape, (int, torch.SymInt)) or not isinstance(shape, Sequence):
+        raise TypeError(
+            f"workspace request {index}: shape must be a sequence of ints "
+            f"(e.g. (4, 8) or torch.Size), got {shape!r}"
+        )
+    dims = []
+    for dim in shape:
+        if isinstance(dim, bool):
+            raise TypeError(f"workspace request {index}: dimension {dim!r} is a bool, not an int")
+        try:
+            dims.append(operator.index(dim))
+        except TypeError:
+            raise TypeError(
+                f"workspace request {index}: dimension {dim!r} in shape {tuple(shape)!r} "
+                "is not an integer"
+            ) from None
+    if any(dim < 0 for dim in dims):
+        raise ValueError(
+            f"workspace request {index}: shape {tuple(dims)} has a negative dimension"
+        )
+    return tuple(dims), dtype
+
+
+def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Layout:
+    items = []
+    offset = 0
+    for shape, dtype in requests:
+        stride = []
+        running = 1
+        for dim in reversed(shape):
+            stride.append(running)
+            running *= max(dim, 1)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        items.append((dtype, shape, tuple(reversed(stride)), offset))
+        offset += _round_up(numel * dtype.itemsize, ALIGNMENT_BYTES)
+    return _Layout(tuple(items), offset)
+
+
+_Entry = list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]
+"""A cached request for one slot: (typed view of the buffer, shape, stride, element offset)."""
+
+
+class _Slot:
+    """One ubatch's buffer, its per-dtype views, and its cached requests.
+
+    Only the slot's own thread realizes its buffer (or `lock()`, when no overlap runs);
+    other threads at most clear `entries`, which makes the owner's next request take the
+    slow path and realize the buffer to the shared capacity.
+    """
+
+    __slots__ = ("buffer", "typed", "entries")
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+        self.entries: dict[Any, _Entry] = {}
+
+    @property
+    def num_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def drop_buffer(self) -> None:
+        self.entries.clear()
+        self.typed.clear()
+        self.buffer = None
+
+    def typed_view(self, dtype: torch.dtype) -> torch.Tensor:
+        assert self.buffer is not None, "slot must be realized before it hands out views"
+        view = self.typed.get(dtype)
+        if view is None:
+            view = self.buffer.view(dtype)
+            self.typed[dtype] = view
+        return view
+
+
+class WorkspaceManager:
+    """One scratch buffer per ubatch slot; hands out typed views of the caller's slot.
+
+    Args:
+        device: where the buffers live (`torch.device`, "cpu", "cuda:0", ...).
+        num_ubatches: how many slots; the slot is `dbo.current_ubatch_id()` of the caller,
+            so use the overlap's ubatch count. None means 1 (no DBO).
+
+    Semantics:
+        - Grow together: all slots share one capacity. A request larger than it raises the
+          capacity; the requesting slot is reallocated at once, every other slot at its own
+          thread's next request (its thread may still hold views into the old buffer), and
+          all of them by `lock()`.
+        - Free before allocate: a slot's old buffer is released before the new one is
+          allocated, so the peak is max(old, new). A failed allocation raises
+          `WorkspaceAllocationError` and leaves the manager usable.
+        - Lock: after warmup, `lock()` realizes every slot and freezes the capacity; data
+          pointers then never change (CUDA graphs stay valid) and a request that would
+          grow raises `WorkspaceLockedError`.
+        - Threads: each ubatch thread touches its own slot; growth is serialized by a
+          lock that the fast path (a request seen before) never takes.
+    """
+
+    def __init__(self, device: torch.device | str | int, num_ubatches: int | None = None) -> None:
+        if num_ubatches is None:
+            num_ubatches = 1
+        if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
+            raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
+        if num_ubatches < 1:
+            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        self._device = torch.device(device)
+        self._slots = tuple(_Slot() for _ in range(num_ubatches))
+        self._capacity_bytes = 0
+        self._locked = False
+        self._lock = threading.Lock()
+        self._layouts: dict[Any, _Layout] = {}
+        self._num_resizes = 0
+        self._num_allocations = 0
+        self._call_site_bytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        """The device of every slot's buffer."""
+        return self._device
+
+    @property
+    def num_ubatches(self) -> int:
+        """The number of slots."""
+        return len(self._slots)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The shared per-slot capacity in bytes."""
+        return self._capacity_bytes
+
+    # ------------------------------------------------------------------ hot path
+    def get_simultaneous(
+        self, *shapes_and_dtypes: tuple[Sequence[int], torch.dtype]
+    ) -> list[torch.Tensor]:
+        """Views into the calling ubatch's slot, one per `(shape, dtype)` request.
+
+        Tensor contract:
+            - `result[i]` has `shape_i`, `dtype_i`, is contiguous, on `self.device`, and
+              starts at a `data_ptr()` that is a multiple of 256 bytes. Contents are
+              uninitialized (whatever the slot held before).
+            - The views of one call never overlap each other, nor any view of another slot.
+            - They are valid until the *same slot's* next `get_simultaneous` call, which
+              reuses the same bytes: take all the tensors a step needs in one call.
+            - The same request again returns views at the same addresses; once the
+              capacity suffices, no memory is allocated.
+
+        The slot is `dbo.current_ubatch_id()`: outside an overlap, slot 0.
+        No arguments return `[]`; a zero-size shape returns a valid empty view.
+
+        Raises:
+            TypeError / ValueError: a malformed request (nothing changes).
+            WorkspaceLockedError: the request needs more than the locked capacity.
+            WorkspaceAllocationError: the device could not allocate the buffer.
+        """
+        slot = self._slot_of_caller()
+        try:
+            entry = slot.entries.get(shapes_and_dtypes)
+        except TypeError:  # unhashable request (a list shape): take the slow path
+            entry = None
+        if entry is None:
+            entry = self._prepare(slot, shapes_and_dtypes)
+        return [typed.as_strided(shape, stride, offset) for typed, shape, stride, offset in entry]
+
+    def _slot_of_caller(self) -> _Slot:
+        ubatch_id = dbo.current_ubatch_id()
+        try:
+            return self._slots[ubatch_id]
+        except IndexError:
+            raise RuntimeError(
+                f"ubatch {ubatch_id} asked for workspace, but the manager has "
+                f"{len(self._slots)} slot(s); create it with num_ubatches >= "
+                f"{ubatch_id + 1} (init_workspace_manager(device, num_ubatches=...))"
+            ) from None
+
+    # ------------------------------------------------------------------ slow path
+    def _prepare(self, slot: _Slot, requests: tuple[Any, ...]) -> _Entry:
+        """Validate a new request, grow or realize the slot if needed, cache the views."""
+        normalized = tuple(_normalize_request(i, r) for i, r in enumerate(requests))
+        with self._lock:
+            layout = self._layouts.get(normalized)
+            if layout is None:
+                if len(self._layouts) >= _MAX_CACHED_REQUESTS:
+                    self._layouts.clear()
+                layout = _make_layout(normalized)
+                self._layouts[normalized] = layout
+            caller = _caller_outside_package()
+            if layout.total_bytes > self._call_site_bytes.get(caller, -1):
+                self._call_site_bytes[caller] = layout.total_bytes
+            if layout.total_bytes > self._capacity_bytes:
+                self._grow(slot, layout.total_bytes, caller)
+            elif slot.buffer is None or slot.num_bytes < self._capacity_bytes:
+                self._realize(slot, self._capacity_bytes)
+            entry: _Entry = []
+            for dtype, shape, stride, byte_offset in layout.items:
+                typed = slot.typed_view(dtype)
+                element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
+                entry.append((typed, shape, stride, element_offset))
+            if len(slot.entries) >= _MAX_CACHED_REQUESTS:
+                slot.entries.clear()
+            try:
+                slot.entries[requests] = entry
+            except TypeError:
+                slot.entries[normalized] = entry
+            return entry
+
+    def _grow(self, slot: _Slot, required_bytes: int, caller: str) -> None:
+        """Raise the shared capacity to `required_bytes`; realize `slot` now, others lazily."""
+        if self._locked:
+            raise WorkspaceLockedError(
+                f"workspace is locked, but the request from '{caller}' needs "
+                f"{required_bytes / _MB:.2f} MB per slot and the locked capacity is "
+                f"{self._capacity_bytes / _MB:.2f} MB; warm up with the largest batch before "
+                "lock_workspace(), or call unlock_workspace() to let it grow"
+            )
+        old_capacity = self._capacity_bytes
+        self._realize(slot, required_bytes)
+        self._capacity_bytes = required_bytes
+        self._num_resizes += 1
+        for other in self._slots:
+            if other is not slot:
+                # The other slot's thread may hold views into its buffer: do not swap it
+                # here. Emptying its cache sends its next request to the slow path,
+                # which realizes it at the new capacity.
+                other.entries.clear()
+        _debug_log(
+            "[workspace] resized from '%s': %.2f MB -> %.2f MB (%d slots, %.2f MB total)",
+            caller,
+            old_capacity / _MB,
+            required_bytes / _MB,
+            len(self._slots),
+            required_bytes * len(self._slots) / _MB,
+        )
+
+    def _realize(self, slot: _Slot, num_bytes: int) -> None:
+        """Give `slot` a buffer of `num_bytes`; free the old one first."""
+        slot.drop_buffer()
+        slot.buffer = self._allocate_aligned(num_bytes)
+        self._num_allocations += 1
+
+    def _allocate_aligned(self, num_bytes: int) -> torch.Tensor:
+        """A 1-D uint8 tensor of `num_bytes` whose data_ptr is 256-byte aligned.
+
+        Allocators differ in the alignment they guarantee (64 bytes on CPU), so allocate
+        `ALIGNMENT_BYTES - 1` spare bytes and start at the first aligned address.
+        """
+        try:
+            raw = self._allocate(num_bytes + ALIGNMENT_BYTES - 1)
+        except (RuntimeError, MemoryError) as error:
+            raise WorkspaceAllocationError(
+                f"could not allocate a workspace buffer of {num_bytes} bytes "
+                f"({num_bytes / _MB:.2f} MB) on {self._device}: {error}"
+            ) from error
+        start = -raw.data_ptr() % ALIGNMENT_BYTES
+        return raw[start : start + num_bytes]
+
+    def _allocate(self, num_bytes: int) -> torch.Tensor:
+        """The one place that allocates device memory (tests wrap it to watch the peak)."""
+        return torch.empty((num_bytes,), dtype=torch.uint8, device=self._device)
+
+    # ------------------------------------------------------------------ lifecycle
+    def lock(self) -> None:
+        """Realize every slot at the shared capacity, then forbid growth.
+
+        Call it after warmup (and before CUDA-graph capture), when no overlap runs: slots
+        are reallocated here, so no thread may hold views into an outdated buffer. From
+        then on data pointers never change, and a request that needs more than the
+        capacity raises `WorkspaceLockedError`.
+        """
+        with self._lock:
+            for slot in self._slots:
+                if slot.buffer is None or slot.num_bytes != self._capacity_bytes:
+                    self._realize(slot, self._capacity_bytes)
+            self._locked = True
+        _debug_log(
+            "[workspace] locked at %.2f MB per slot (%d slots, %.2f MB total)",
+            self._capacity_bytes / _MB,
+            len(self._slots),
+            self._capacity_bytes * len(self._slots) / _MB,
+        )
+
+    def unlock(self) -> None:
+        """Allow growth again (for example to warm up for a larger batch)."""
+        with self._lock:
+            self._locked = False
+        _debug_log("[workspace] unlocked at %.2f MB per slot", self._capacity_bytes / _MB)
+
+    def is_locked(self) -> bool:
+        """Whether growth is forbidden."""
+        return self._locked
+
+    def stats(self) -> WorkspaceStats:
+        """A snapshot of capacity, per-slot bytes, resizes and the largest call sites."""
+        with self._lock:
+            top = sorted(self._call_site_bytes.items(), key=lambda item: -item[1])[:5]
+            return WorkspaceStats(
+                capacity_bytes=self._capacity_bytes,
+                realized_bytes_per_slot=tuple(slot.num_bytes for slot in self._slots),
+                num_resizes=self._num_resizes,
+                num_allocations=self._num_allocations,
+                locked=self._locked,
+                top_call_sites=tuple(top),
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"WorkspaceManager(device={self._device}, num_ubatches={len(self._slots)}, "
+            f"capacity={self._capacity_bytes / _MB:.2f} MB, locked={self._locked})"
+        )
