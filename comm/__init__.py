@@ -1,7 +1,10 @@
 """comm: communication that knows about DBO.
 
 Collectives on torch.distributed and MoE dispatch/combine that, inside an overlap, yield
-to the other ubatch while they are in flight. (Being built; see docs/architecture.md.)
+to the other ubatch while they are in flight; and an emulated link for single-process
+measurements.
 """
 
-__all__: list[str] = []
+from comm.emulated import EmulatedLink, TransferHandle
+
+__all__ = ["EmulatedLink", "TransferHandle"]

@@ -1,0 +1,125 @@
+"""An emulated network link: fixed latency plus bandwidth, for single-process measurements.
+
+Lets one process measure how much communication DBO hides without a network: a transfer
+"takes" `latency_s + num_bytes / bandwidth_bytes_per_s` on the link, transfers queue
+FIFO (one starts when the link is free), and the host is not busy meanwhile.
+
+The pattern inside an overlap is launch, yield, wait:
+
+    handle = link.transfer(x)
+    dbo.yield_()            # the other ubatch computes while x is "on the wire"
+    x = handle.wait()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+class TransferHandle:
+    """An in-flight transfer; `wait()` returns the delivered tensor."""
+
+    def __init__(
+        self, delivered: torch.Tensor, done_at: float, event: Any = None
+    ) -> None:
+        self._delivered = delivered
+        self._done_at = done_at
+        self._event = event
+
+    @property
+    def done_at(self) -> float:
+        """`time.perf_counter()` at which a CPU transfer completes."""
+        return self._done_at
+
+    def is_completed(self) -> bool:
+        if self._event is not None:
+            return bool(self._event.query())
+        return time.perf_counter() >= self._done_at
+
+    def wait(self) -> torch.Tensor:
+        """The delivered tensor, once the transfer is complete.
+
+        CPU: sleeps only the time that remains (the GIL is released meanwhile). CUDA:
+        makes the current stream wait for the transfer; does not block the host.
+        """
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+            return self._delivered
+        remaining = self._done_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return self._delivered
+
+
+class EmulatedLink:
+    """A link with a fixed latency and an optional bandwidth, FIFO.
+
+    Args:
+        latency_s: time every transfer takes on top of its bytes, >= 0.
+        bandwidth_bytes_per_s: bytes per second; None means unlimited (latency only).
+
+    CPU tensors: the completion time is fixed at launch, so the link needs no thread and
+    no CPU; the delivered tensor is the input itself (no copy). CUDA tensors: a sleep
+    kernel of the transfer's duration, then a copy, on the current stream (in an overlap,
+    switch to the ubatch's comm stream first); the delivered tensor is that copy.
+    """
+
+    def __init__(self, latency_s: float, bandwidth_bytes_per_s: float | None = None) -> None:
+        if not latency_s >= 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        if bandwidth_bytes_per_s is not None and not bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
+        self.latency_s = float(latency_s)
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+        self._cuda_cycles_per_s: float | None = None
+
+    def duration_s(self, num_bytes: int) -> float:
+        """How long a transfer of `num_bytes` occupies the link."""
+        if self.bandwidth_bytes_per_s is None:
+            return self.latency_s
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+    def transfer(self, tensor: torch.Tensor) -> TransferHandle:
+        """Start sending `tensor`; returns at once with a handle."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"transfer needs a tensor, got {type(tensor).__name__}")
+        duration = self.duration_s(tensor.numel() * tensor.element_size())
+        if tensor.is_cuda:
+            return self._transfer_cuda(tensor, duration)
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = start + duration
+            return TransferHandle(tensor, self._free_at)
+
+    def _transfer_cuda(self, tensor: torch.Tensor, duration: float) -> TransferHandle:
+        stream = torch.cuda.current_stream(tensor.device)
+        cycles = int(duration * self._cycles_per_second(tensor.device))
+        if cycles > 0:
+            torch.cuda._sleep(cycles)
+        delivered = tensor.clone()
+        tensor.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return TransferHandle(delivered, float("nan"), event)
+
+    def _cycles_per_second(self, device: torch.device) -> float:
+        """Calibrate `torch.cuda._sleep` once: GPU clock cycles per second."""
+        if self._cuda_cycles_per_s is None:
+            cycles = 10_000_000
+            with torch.cuda.device(device):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True
+                )
+                torch.cuda._sleep(cycles)  # warm up
+                start.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+                end.synchronize()
+                self._cuda_cycles_per_s = cycles / (start.elapsed_time(end) / 1000.0)
+        return self._cuda_cycles_per_s
