@@ -1,0 +1,134 @@
+"""How much of the communication DBO hides, on an emulated link (one process, CPU).
+
+    .venv/bin/python benchmarks/overlap_efficiency.py [--layers 8] [--rounds 5]
+
+Model: each ubatch runs `--layers` layers; a layer is a compute segment of c ms (torch
+matmuls) followed by a transfer of m ms on one shared `comm.EmulatedLink` (FIFO, no CPU
+used while "on the wire"). Serial runs the ubatches one after the other; DBO launches
+the transfer, yields, and waits when the baton comes back.
+
+    hidden fraction = (T_serial - T_dbo) / (T_serial - T_ideal)
+    T_ideal = max(C, M) + min(c, m)   (C, M: compute and transfer totals, all ubatches)
+
+1.0 means all the hideable communication was hidden; 0 means none. Rounds interleave
+serial and DBO runs; the table shows medians. The merge column is the cost of the
+default merge (torch.cat of the outputs) as a fraction of T_dbo, measured separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import dbo
+from comm import EmulatedLink
+
+MATMUL_SIZE = 96
+
+
+def calibrate_matmuls(target_s: float, a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many `a @ b` take about `target_s` in this thread."""
+    for _ in range(20):
+        torch.mm(a, b)
+    count = 200
+    start = time.perf_counter()
+    for _ in range(count):
+        torch.mm(a, b)
+    per_matmul = (time.perf_counter() - start) / count
+    return max(1, round(target_s / per_matmul))
+
+
+def make_layer_loop(
+    num_layers: int, num_matmuls: int, link: EmulatedLink, overlap: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE) / MATMUL_SIZE
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(num_layers):
+            for _ in range(num_matmuls):
+                torch.mm(a, b)
+            x = x + 1
+            handle = link.transfer(x)
+            if overlap:
+                dbo.yield_()
+            x = handle.wait()
+        return x
+
+    return forward
+
+
+def measure(
+    c_ms: float, m_ms: float, num_ubatches: int, num_layers: int, rounds: int, num_matmuls: int
+) -> dict[str, float]:
+    link = EmulatedLink(latency_s=m_ms / 1000)
+    serial_fn = make_layer_loop(num_layers, num_matmuls, link, overlap=False)
+    dbo_fn = dbo.overlap(
+        make_layer_loop(num_layers, num_matmuls, link, overlap=True), num_ubatches=num_ubatches
+    )
+    x = torch.zeros(num_ubatches * 64, 256)
+    parts = torch.tensor_split(x, num_ubatches)
+    dbo_fn(x)  # warm up threads
+    serial_times, dbo_times = [], []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for part in parts:
+            serial_fn(part)
+        serial_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        dbo_fn(x)
+        dbo_times.append(time.perf_counter() - start)
+    outputs = [serial_fn(p) for p in parts]
+    start = time.perf_counter()
+    for _ in range(rounds):
+        torch.cat(outputs)
+    merge = (time.perf_counter() - start) / rounds
+    t_serial, t_dbo = statistics.median(serial_times), statistics.median(dbo_times)
+    c, m = c_ms / 1000, m_ms / 1000
+    total_c = c * num_layers * num_ubatches
+    total_m = m * num_layers * num_ubatches
+    t_ideal = max(total_c, total_m) + min(c, m)
+    return {
+        "serial_ms": t_serial * 1000,
+        "dbo_ms": t_dbo * 1000,
+        "ideal_ms": t_ideal * 1000,
+        "speedup": t_serial / t_dbo,
+        "hidden": (t_serial - t_dbo) / (t_serial - t_ideal),
+        "merge": merge / t_dbo,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    matmuls_per_ms = calibrate_matmuls(0.001, a, a) or 1
+    configs = [(c, c, 2) for c in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    configs += [(1.0, 2.0, 2), (2.0, 1.0, 2), (0.5, 2.0, 2), (2.0, 0.5, 2)]
+    configs += [(1.0, 1.0, 3), (1.0, 1.0, 4), (2.0, 2.0, 3), (2.0, 2.0, 4)]
+    print(f"{args.layers} layers per ubatch; c = compute, m = transfer per ubatch per layer")
+    header = (
+        f"{'ubatches':>8} {'c ms':>6} {'m ms':>6} {'serial ms':>10} {'dbo ms':>8} "
+        f"{'ideal ms':>9} {'speedup':>8} {'hidden':>7} {'merge':>6}"
+    )
+    print(header)
+    for c_ms, m_ms, num_ubatches in configs:
+        num_matmuls = max(1, round(c_ms * matmuls_per_ms))
+        r = measure(c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls)
+        print(
+            f"{num_ubatches:>8} {c_ms:>6.2f} {m_ms:>6.2f} {r['serial_ms']:>10.2f} "
+            f"{r['dbo_ms']:>8.2f} {r['ideal_ms']:>9.2f} {r['speedup']:>7.2f}x "
+            f"{r['hidden']:>7.2f} {r['merge']:>6.1%}"
+        )
+    dbo.close_default_runners()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""balanced_token_split and the default split/merge helpers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import dbo
+
+
+def _check_tiling(splits: list[dbo.TokenSplit], counts: list[int]) -> None:
+    total = sum(counts)
+    assert splits[0].token_slice.start == 0 and splits[-1].token_slice.stop == total
+    for a, b in zip(splits, splits[1:]):
+        assert a.token_slice.stop == b.token_slice.start
+    starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    for split in splits:
+        lo, hi = split.token_slice.start, split.token_slice.stop
+        touching = [r for r in range(len(counts)) if starts[r] < hi and starts[r + 1] > lo]
+        if touching:
+            assert split.request_slice == slice(touching[0], touching[-1] + 1)
+        else:
+            assert split.request_slice.start == split.request_slice.stop
+
+
+@pytest.mark.parametrize("num_ubatches", [1, 2, 3, 4])
+def test_straddling_split_is_balanced_to_one_token(num_ubatches: int) -> None:
+    rng = random.Random(num_ubatches)
+    for _ in range(50):
+        counts = [rng.randint(0, 20) for _ in range(rng.randint(0, 12))]
+        splits = dbo.balanced_token_split(counts, num_ubatches)
+        assert len(splits) == num_ubatches
+        sizes = [s.token_slice.stop - s.token_slice.start for s in splits]
+        assert max(sizes) - min(sizes) <= 1
+        _check_tiling(splits, counts)
+
+
+def test_a_straddling_request_appears_in_both_ubatches() -> None:
+    splits = dbo.balanced_token_split([5, 3, 2, 7], 2)
+    assert [s.token_slice for s in splits] == [slice(0, 9), slice(9, 17)]
+    assert [s.request_slice for s in splits] == [slice(0, 3), slice(2, 4)]
+
+
+def _best_max(counts: list[int], num_ubatches: int) -> int:
+    """Brute force: the smallest possible largest ubatch with cuts on request boundaries."""
+    import itertools
+
+    starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    best = sum(counts)
+    for cuts in itertools.combinations_with_replacement(range(len(starts)), num_ubatches - 1):
+        bounds = [0, *(starts[c] for c in cuts), starts[-1]]
+        best = min(best, max(b - a for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("num_ubatches", [2, 3])
+def test_request_boundary_split_minimises_the_largest_ubatch(num_ubatches: int) -> None:
+    rng = random.Random(7 + num_ubatches)
+    for _ in range(100):
+        counts = [rng.randint(0, 15) for _ in range(rng.randint(1, 7))]
+        splits = dbo.balanced_token_split(counts, num_ubatches, allow_straddle=False)
+        _check_tiling(splits, counts)
+        starts = {sum(counts[:r]) for r in range(len(counts) + 1)}
+        assert all(s.token_slice.start in starts for s in splits), "cuts on request boundaries"
+        sizes = [s.token_slice.stop - s.token_slice.start for s in splits]
+        assert max(sizes) == _best_max(counts, num_ubatches)
+        ranges = [s.request_slice for s in splits if s.request_slice.start < s.request_slice.stop]
+        for a, b in zip(ranges, ranges[1:]):
+            assert a.stop <= b.start, "no request appears in two ubatches"
+
+
+def test_token_split_accepts_tensors_and_rejects_bad_input() -> None:
+    splits = dbo.balanced_token_split(torch.tensor([4, 4]), 2, allow_straddle=False)
+    assert [s.token_slice for s in splits] == [slice(0, 4), slice(4, 8)]
+    with pytest.raises(ValueError):
+        dbo.balanced_token_split([3, -1], 2)
+    with pytest.raises(ValueError):
+        dbo.balanced_token_split([3], 0)
+    with pytest.raises(TypeError):
+        dbo.balanced_token_split([3], "2")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        dbo.balanced_token_split([3.5], 2)  # type: ignore[list-item]
+
+
+def test_default_split_matches_tensor_split_and_shares_memory() -> None:
+    x = torch.arange(14.0).reshape(7, 2)
+    parts = dbo.default_split((x, 3), {"y": x[:, 0]}, 3)
+    for (args, kwargs), expected in zip(parts, torch.tensor_split(x, 3)):
+        assert torch.equal(args[0], expected) and args[1] == 3
+        assert torch.equal(kwargs["y"], expected[:, 0])
+        assert args[0].data_ptr() == expected.data_ptr()  # views, not copies

@@ -1,0 +1,214 @@
+"""Calls made inside fn: stream switches (CPU protocol), recv hooks, the runner object."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import dbo
+from dbo.device import CpuStream
+
+
+# ---------------------------------------------------------------- outside an overlap
+def test_every_call_is_a_no_op_outside_an_overlap() -> None:
+    assert dbo.current_ubatch_id() == 0
+    assert dbo.enabled() is False
+    assert dbo.num_ubatches() == 1
+    dbo.yield_()
+    dbo.switch_to_comm()
+    dbo.switch_to_compute()
+    dbo.switch_to_compute()  # no stream state outside: unmatched switches are fine
+    dbo.yield_and_switch_to_comm()
+    dbo.yield_and_switch_to_compute()
+    assert dbo.current_stream() is None
+    assert dbo.on_comm_stream() is False
+    assert dbo.maybe_run_recv_hook() is False
+
+
+def test_recv_hook_outside_an_overlap_runs_at_once() -> None:
+    ran: list[str] = []
+    dbo.register_recv_hook(lambda: ran.append("recv"))
+    assert ran == ["recv"]
+    with pytest.raises(TypeError):
+        dbo.register_recv_hook("not callable")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- streams (CPU protocol)
+def test_stream_switches_follow_the_protocol() -> None:
+    seen: dict[int, list[tuple[str, bool]]] = {0: [], 1: []}
+
+    def note(me: int) -> None:
+        stream = dbo.current_stream()
+        assert isinstance(stream, CpuStream)
+        seen[me].append((stream.name, dbo.on_comm_stream()))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        note(me)
+        dbo.switch_to_comm()
+        note(me)
+        dbo.yield_and_switch_to_compute()
+        note(me)
+        dbo.yield_and_switch_to_comm()
+        note(me)
+        dbo.switch_to_compute()
+        note(me)
+        return x
+
+    dbo.overlap(fn)(torch.zeros(2))
+    for me in (0, 1):
+        compute, comm = (f"compute{me}", False), (f"comm{me}", True)
+        assert seen[me] == [compute, comm, compute, comm, compute]
+
+
+def test_unmatched_switch_inside_an_overlap_is_an_error() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        dbo.switch_to_compute()  # already on compute
+        return x
+
+    with pytest.raises(RuntimeError, match="already on its compute stream"):
+        dbo.overlap(fn)(torch.zeros(2))
+
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        dbo.switch_to_comm()
+        dbo.yield_and_switch_to_comm()
+        return x
+
+    with pytest.raises(RuntimeError, match="already on its comm stream"):
+        dbo.overlap(twice)(torch.zeros(2))
+
+
+def test_yield_and_switch_hands_the_baton_over() -> None:
+    order: list[tuple[int, str]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        order.append((me, "compute"))
+        dbo.yield_and_switch_to_comm()
+        order.append((me, "comm"))
+        dbo.yield_and_switch_to_compute()
+        order.append((me, "back"))
+        return x
+
+    dbo.overlap(fn)(torch.zeros(2))
+    assert order == [
+        (0, "compute"), (1, "compute"), (0, "comm"), (1, "comm"), (0, "back"), (1, "back"),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- recv hooks
+def test_recv_hook_runs_in_the_next_ubatch_once() -> None:
+    runs: list[tuple[str, int]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        dbo.register_recv_hook(lambda: runs.append((f"recv of {me}", dbo.current_ubatch_id())))
+        dbo.yield_()
+        ran = dbo.maybe_run_recv_hook()
+        ran_again = dbo.maybe_run_recv_hook()
+        runs.append((f"ubatch {me} ran={ran} again={ran_again}", me))
+        dbo.yield_()
+        return x
+
+    dbo.overlap(fn)(torch.zeros(2))
+    assert runs == [
+        ("recv of 1", 0),  # ubatch 1's hook goes to ubatch 0 (the next in the ring) ...
+        ("ubatch 0 ran=True again=False", 0),
+        ("recv of 0", 1),  # ... and ubatch 0's to ubatch 1
+        ("ubatch 1 ran=True again=False", 1),
+    ]
+
+
+def test_pending_recv_hooks_run_before_the_overlap_returns() -> None:
+    runs: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        dbo.register_recv_hook(lambda: runs.append(me))  # nobody calls maybe_run_recv_hook
+        return x
+
+    dbo.overlap(fn, num_ubatches=3)(torch.zeros(3))
+    assert sorted(runs) == [0, 1, 2]
+
+
+def test_an_exception_in_a_recv_hook_fails_the_overlap() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+
+            def hook() -> None:
+                raise ZeroDivisionError("in hook")
+
+            dbo.register_recv_hook(hook)
+        dbo.yield_()
+        dbo.maybe_run_recv_hook()
+        dbo.yield_()
+        return x
+
+    with pytest.raises(ZeroDivisionError) as info:
+        dbo.overlap(fn)(torch.zeros(2))
+    assert "ubatch 1 of 2" in "\n".join(info.value.__notes__)
+
+
+# ---------------------------------------------------------------- the runner object
+def test_runner_runs_each_input_in_its_ubatch() -> None:
+    with dbo.UBatchRunner(num_ubatches=3) as runner:
+        inputs = [((torch.full((2,), float(i)),), {"scale": 10}) for i in range(3)]
+        outputs = runner.run(lambda x, scale: x * scale + dbo.current_ubatch_id(), inputs)
+        assert [o.tolist() for o in outputs] == [[0.0, 0.0], [11.0, 11.0], [22.0, 22.0]]
+        assert len(runner.threads) == 3 and all(t.daemon for t in runner.threads)
+    assert runner.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.run(lambda: None, [((), {})] * 3)
+    runner.close()  # idempotent
+
+
+def test_runner_rejects_bad_inputs_before_running() -> None:
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+        with pytest.raises(ValueError, match="2 ubatches but got 1"):
+            runner.run(lambda: None, [((), {})])
+        with pytest.raises(TypeError, match=r"ubatch_inputs\[1\]"):
+            runner.run(lambda: None, [((), {}), ([], {})])  # type: ignore[list-item]
+        assert runner.run(lambda: 1, [((), {}), ((), {})]) == [1, 1]
+
+
+def test_runner_refuses_to_run_inside_its_own_ubatch() -> None:
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+
+        def fn() -> None:
+            runner.run(lambda: None, [((), {}), ((), {})])
+
+        with pytest.raises(RuntimeError, match="own ubatch threads"):
+            runner.run(fn, [((), {}), ((), {})])
+
+
+def test_concurrent_callers_are_serialized() -> None:
+    failures: list[BaseException] = []
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+
+        def caller(value: float) -> None:
+            try:
+                for _ in range(50):
+                    out = runner.run(
+                        lambda x: (dbo.yield_(), x + 1)[1],
+                        [((torch.tensor(value),), {}), ((torch.tensor(value),), {})],
+                    )
+                    assert [o.item() for o in out] == [value + 1, value + 1]
+            except BaseException as error:  # noqa: B036 - reported below
+                failures.append(error)
+
+        threads = [threading.Thread(target=caller, args=(float(v),)) for v in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not any(thread.is_alive() for thread in threads)
+    assert failures == []
+
+
+def test_one_ubatch_runs_without_handoffs() -> None:
+    assert torch.equal(
+        dbo.overlap(lambda x: (dbo.yield_(), x * 2)[1], num_ubatches=1)(torch.ones(3)),
+        torch.full((3,), 2.0),
+    )
