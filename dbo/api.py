@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dbo._context import current_context
+from dbo._context import _state, current_context
 
 
 def _run_and_id() -> tuple[Any, int] | tuple[None, None]:
@@ -21,8 +21,12 @@ def _run_and_id() -> tuple[Any, int] | tuple[None, None]:
 
 
 def current_ubatch_id() -> int:
-    """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap."""
-    context = current_context()
+    """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap.
+
+    Threads the runtime did not start (the caller, helper threads) get 0 even while an
+    overlap runs. This is the workspace's slot lookup, hence the direct read.
+    """
+    context = _state.context
     return 0 if context is None else context.ubatch_id
 
 

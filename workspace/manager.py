@@ -238,6 +238,7 @@ class WorkspaceManager:
         self._num_resizes = 0
         self._num_allocations = 0
         self._call_site_bytes: dict[str, int] = {}
+        self._empty: dict[torch.dtype, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -284,6 +285,14 @@ class WorkspaceManager:
             entry = slot.entries.get(shapes_and_dtypes)
         except TypeError:  # unhashable request (a list shape): take the slow path
             entry = None
+        if entry is not None:
+            # True == 1 and 2.0 == 2 hash alike: a cached int request must not let a bool
+            # or float dimension through unchecked. Exact ints only on the fast path.
+            for shape, _ in shapes_and_dtypes:
+                for dim in shape:
+                    if type(dim) is not int:
+                        entry = None
+                        break
         if entry is None:
             entry = self._prepare(slot, shapes_and_dtypes)
         return [typed.as_strided(shape, stride, offset) for typed, shape, stride, offset in entry]
@@ -310,18 +319,15 @@ class WorkspaceManager:
                     self._layouts.clear()
                 layout = _make_layout(normalized)
                 self._layouts[normalized] = layout
-            caller = _caller_outside_package()
-            if layout.total_bytes > self._call_site_bytes.get(caller, -1):
-                self._call_site_bytes[caller] = layout.total_bytes
-            if layout.total_bytes > self._capacity_bytes:
-                self._grow(slot, layout.total_bytes, caller)
-            elif slot.buffer is None or slot.num_bytes < self._capacity_bytes:
-                self._realize(slot, self._capacity_bytes)
-            entry: _Entry = []
-            for dtype, shape, stride, byte_offset in layout.items:
-                typed = slot.typed_view(dtype)
-                element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
-                entry.append((typed, shape, stride, element_offset))
+            entry: _Entry
+            if layout.total_bytes == 0:
+                # Only empty tensors: nothing to allocate, and no slot to realize.
+                entry = [
+                    (self._empty_of(dtype), shape, stride, 0)
+                    for dtype, shape, stride, _ in layout.items
+                ]
+            else:
+                entry = self._realized_entry(slot, layout)
             if len(slot.entries) >= _MAX_CACHED_REQUESTS:
                 slot.entries.clear()
             try:
@@ -329,6 +335,28 @@ class WorkspaceManager:
             except TypeError:
                 slot.entries[normalized] = entry
             return entry
+
+    def _realized_entry(self, slot: _Slot, layout: _Layout) -> _Entry:
+        """Grow or realize `slot` for `layout` (lock held); the views' recipe."""
+        caller = _caller_outside_package()
+        if layout.total_bytes > self._capacity_bytes:
+            self._grow(slot, layout.total_bytes, caller)
+        elif slot.buffer is None or slot.num_bytes < self._capacity_bytes:
+            self._realize(slot, self._capacity_bytes)
+        if layout.total_bytes > self._call_site_bytes.get(caller, -1):
+            self._call_site_bytes[caller] = layout.total_bytes  # requests that succeeded
+        entry: _Entry = []
+        for dtype, shape, stride, byte_offset in layout.items:
+            typed = slot.typed_view(dtype)
+            element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
+            entry.append((typed, shape, stride, element_offset))
+        return entry
+
+    def _empty_of(self, dtype: torch.dtype) -> torch.Tensor:
+        view = self._empty.get(dtype)
+        if view is None:
+            view = self._empty[dtype] = torch.empty((0,), dtype=dtype, device=self._device)
+        return view
 
     def _grow(self, slot: _Slot, required_bytes: int, caller: str) -> None:
         """Raise the shared capacity to `required_bytes`; realize `slot` now, others lazily."""

@@ -356,6 +356,18 @@ def test_lock_realizes_every_slot_and_freezes_addresses(
     assert manager.stats().realized_bytes_per_slot == (capacity,) * 3
 
 
+def test_lock_reallocates_a_slot_left_at_an_older_capacity() -> None:
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    _in_ubatch(1, 2, lambda: len(manager.get_simultaneous(((1024,), torch.uint8))))
+    manager.get_simultaneous(((8192,), torch.uint8))
+    assert manager.stats().realized_bytes_per_slot == (8192, 1024)
+    manager.lock()
+    assert manager.stats().realized_bytes_per_slot == (8192, 8192)
+    # Slot 1 now serves its full capacity without growing (which would raise).
+    (view,) = _in_ubatch(1, 2, lambda: manager.get_simultaneous(((8192,), torch.uint8)))
+    assert view.numel() == 8192
+
+
 # ---------------------------------------------------------------------------- 5. free first
 def _track_raw_buffers(
     monkeypatch: pytest.MonkeyPatch, manager: WorkspaceManager
@@ -612,12 +624,6 @@ def test_init_is_idempotent_and_reset_allows_reinit(fresh_workspace_global: None
     assert workspace.init_workspace_manager("cpu", 1) is one and one.num_ubatches == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (workspace/manager.py): the fast-path cache is keyed by the raw request, "
-    "and True == 1 / 2.0 == 2 hash alike, so a bool or float dimension equal to a cached "
-    "int dimension is served from the cache without validation",
-)
 @pytest.mark.parametrize(
     ("good", "bad"),
     [
@@ -636,12 +642,6 @@ def test_cached_request_does_not_bypass_dimension_checks(
         manager.get_simultaneous((bad, torch.float32))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="minor (workspace/manager.py): a request needing 0 bytes on a slot with no buffer "
-    "goes to _realize(slot, 0), which allocates (255 raw bytes) and counts an allocation, "
-    "although the capacity (0) already suffices",
-)
 @pytest.mark.parametrize(
     "requests",
     [pytest.param((), id="no-arguments"), pytest.param((((0, 4), torch.float32),), id="zero-size")],
@@ -767,13 +767,26 @@ def test_no_debug_log_without_the_env_var(
 
 
 # ---------------------------------------------------------------------------- 9. threads
-def test_concurrent_ubatch_threads_never_see_each_others_bytes() -> None:
+def test_concurrent_ubatch_threads_never_see_each_others_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     num_threads = 4
     iterations = 10_000
     growth_iterations = 400  # sizes rise over these, so threads grow concurrently at first
     manager = WorkspaceManager("cpu", num_ubatches=num_threads)
     failures: list[str] = []
     start = threading.Barrier(num_threads, timeout=JOIN_TIMEOUT_S)
+    finish = threading.Barrier(num_threads, timeout=JOIN_TIMEOUT_S)
+    allocations: list[int] = []
+    original_allocate = manager._allocate
+
+    def yielding_allocate(num_bytes: int) -> torch.Tensor:
+        time.sleep(0)  # let the other threads run in the middle of a resize
+        raw = original_allocate(num_bytes)
+        allocations.append(num_bytes)
+        return raw
+
+    monkeypatch.setattr(manager, "_allocate", yielding_allocate)
 
     def rows_at(iteration: int, thread_id: int) -> int:
         return 4 * (1 + min(iteration, growth_iterations) // 20) + (iteration + thread_id) % 5
@@ -807,6 +820,10 @@ def test_concurrent_ubatch_threads_never_see_each_others_bytes() -> None:
                         time.sleep(0)
                     if len(failures) > 20:
                         return
+                # Once nobody grows any more, each slot's next request realizes it at the
+                # final capacity.
+                finish.wait()
+                manager.get_simultaneous(*requests(rows_at(0, thread_id)))
         except BaseException as error:
             failures.append(f"thread {thread_id} raised {error!r}")
 
@@ -819,7 +836,7 @@ def test_concurrent_ubatch_threads_never_see_each_others_bytes() -> None:
         ]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + 120.0
+        deadline = time.monotonic() + 50.0  # below pytest's 60 s timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
     finally:
@@ -830,6 +847,8 @@ def test_concurrent_ubatch_threads_never_see_each_others_bytes() -> None:
     stats = manager.stats()
     assert stats.capacity_bytes == _layout_bytes(*requests(largest))
     assert stats.num_resizes >= 2
+    assert stats.realized_bytes_per_slot == (stats.capacity_bytes,) * num_threads
+    assert stats.num_allocations == len(allocations)
 
 
 # ---------------------------------------------------------------------------- gpu

@@ -1,0 +1,136 @@
+"""A tour of the workspace manager: scratch memory for two ubatch threads.
+
+Run it with:
+
+    make demo        # or: .venv/bin/python examples/workspace_demo.py
+
+What it shows, on CPU:
+
+1. warmup: two ubatch threads ask for scratch buffers of growing size; the manager grows
+   one shared capacity, and each slot follows at its own thread's next request;
+2. lock: every slot is realized at the capacity and frozen;
+3. a step after lock allocates nothing, and every address stays the same;
+4. a request larger than the locked capacity fails with an error that names its line.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import dbo
+from dbo._context import UBatchContext, registered
+from workspace import (
+    WorkspaceLockedError,
+    current_workspace_manager,
+    init_workspace_manager,
+    lock_workspace,
+)
+
+NUM_UBATCHES = 2
+HIDDEN = 1024
+JOIN_TIMEOUT_S = 30.0
+MiB = float(1 << 20)
+
+
+def scratch_step(tokens: int) -> list[int]:
+    """What a layer does each step: take its scratch tensors in one call and use them."""
+    hidden, scores, index = current_workspace_manager().get_simultaneous(
+        ((tokens, HIDDEN), torch.bfloat16),
+        ((tokens, 8), torch.float32),
+        ((tokens,), torch.int64),
+    )
+    ubatch = dbo.current_ubatch_id()
+    hidden.fill_(ubatch)
+    scores.fill_(ubatch)
+    index.copy_(torch.arange(tokens))
+    # Other ubatch's thread runs at the same time in its own slot: our bytes stay ours.
+    if not (bool((hidden == ubatch).all()) and int(index[-1]) == tokens - 1):
+        raise AssertionError(f"ubatch {ubatch} saw foreign bytes")
+    return [hidden.data_ptr(), scores.data_ptr(), index.data_ptr()]
+
+
+def run_ubatches(tokens_per_ubatch: list[int]) -> list[list[int]]:
+    """Run `scratch_step` in one registered thread per ubatch; return each one's addresses."""
+    results: list[list[int]] = [[] for _ in range(NUM_UBATCHES)]
+    errors: list[BaseException] = []
+
+    def body(ubatch_id: int) -> None:
+        try:
+            with registered(UBatchContext(ubatch_id=ubatch_id, num_ubatches=NUM_UBATCHES)):
+                results[ubatch_id] = scratch_step(tokens_per_ubatch[ubatch_id])
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"ubatch-{i}") for i in range(NUM_UBATCHES)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            raise RuntimeError(f"{thread.name} did not finish within {JOIN_TIMEOUT_S:.0f} s")
+    if errors:
+        raise errors[0]
+    return results
+
+
+def show_stats(title: str) -> None:
+    stats = current_workspace_manager().stats()
+    slots = ", ".join(f"{b / MiB:.2f}" for b in stats.realized_bytes_per_slot)
+    print(
+        f"  {title:<34} capacity {stats.capacity_bytes / MiB:6.2f} MB | slots [{slots}] MB | "
+        f"resizes {stats.num_resizes} | allocations {stats.num_allocations}"
+        f"{' | locked' if stats.locked else ''}"
+    )
+
+
+def main() -> None:
+    manager = init_workspace_manager("cpu", num_ubatches=NUM_UBATCHES)
+    print(f"Workspace demo: {manager}\n")
+
+    print("1. Warmup: both ubatch threads ask for scratch memory of growing size")
+    for step, tokens in enumerate([(128, 256), (512, 384), (1024, 1024)], start=1):
+        run_ubatches(list(tokens))
+        show_stats(f"step {step}: tokens {tokens[0]:>4} / {tokens[1]:>4}")
+    print("  (a slot below the capacity catches up at its own thread's next request)\n")
+
+    print("2. Lock: every slot is realized at the capacity, which is frozen")
+    lock_workspace()
+    show_stats("after lock_workspace()")
+    print()
+
+    print("3. Steps after lock: no allocation, the same addresses every time")
+    allocations_before = manager.stats().num_allocations
+    first = run_ubatches([1024, 1024])
+    again = run_ubatches([1024, 1024])
+    smaller = run_ubatches([300, 700])
+    allocations_after = manager.stats().num_allocations
+    for ubatch in range(NUM_UBATCHES):
+        print(f"  ubatch {ubatch} tensor addresses: {[hex(p) for p in first[ubatch]]}")
+    same = first == again
+    same_start = all(first[u][0] == smaller[u][0] for u in range(NUM_UBATCHES))
+    print(f"  same addresses on the next step:      {same}")
+    print(f"  smaller step starts at the same spot: {same_start}")
+    print(f"  new allocations:                      {allocations_after - allocations_before}")
+    if not (same and same_start and allocations_after == allocations_before):
+        raise SystemExit("unexpected: the locked workspace moved or allocated")
+    print()
+
+    print("4. A request larger than the locked capacity is a clear error")
+    try:
+        run_ubatches([4096, 16])
+    except WorkspaceLockedError as error:
+        print(f"  WorkspaceLockedError: {error}")
+    else:
+        raise SystemExit("unexpected: the locked workspace grew")
+    print()
+    show_stats("final")
+    print("\nDone: after warmup and lock, the hot path reuses the same memory every step.")
+    print("(Set DBO_DEBUG_WORKSPACE=1 to log every resize, lock and unlock.)")
+
+
+if __name__ == "__main__":
+    main()

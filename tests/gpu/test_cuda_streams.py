@@ -1,0 +1,67 @@
+"""CUDA backend: per-ubatch streams, fork/join events, emulated link. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dbo
+from comm import EmulatedLink
+
+pytestmark = pytest.mark.gpu
+
+
+def test_ubatches_run_on_their_own_streams_and_join_the_callers() -> None:
+    caller_stream = torch.cuda.current_stream()
+    seen: dict[int, tuple[int, int]] = {}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        compute = torch.cuda.current_stream().cuda_stream
+        dbo.switch_to_comm()
+        comm = torch.cuda.current_stream().cuda_stream
+        dbo.switch_to_compute()
+        seen[me] = (compute, comm)
+        return x * 2
+
+    x = torch.arange(8.0, device="cuda")
+    y = dbo.overlap(fn)(x)
+    assert torch.equal(y, x * 2)
+    streams = {s for pair in seen.values() for s in pair}
+    assert len(streams) == 4 and caller_stream.cuda_stream not in streams
+    assert torch.cuda.current_stream() == caller_stream
+
+
+@pytest.mark.parametrize("num_ubatches", [2, 3])
+def test_cuda_overlap_is_bitwise_equal_to_serial(num_ubatches: int) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(256, 256, device="cuda") / 16
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = torch.tanh(x @ weight)
+            dbo.yield_and_switch_to_comm()
+            x = x + 1
+            dbo.yield_and_switch_to_compute()
+        return x
+
+    x = torch.randn(1001, 256, device="cuda")
+    expected = torch.cat([fn(p) for p in torch.tensor_split(x, num_ubatches)])
+    assert torch.equal(dbo.overlap(fn, num_ubatches=num_ubatches)(x), expected)
+
+
+def test_emulated_link_overlaps_on_the_comm_stream() -> None:
+    link = EmulatedLink(latency_s=0.002)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = x @ x.T @ x / x.shape[1]
+            dbo.switch_to_comm()
+            handle = link.transfer(x)
+            dbo.yield_and_switch_to_compute()
+            x = handle.wait()
+        return x
+
+    x = torch.randn(512, 512, device="cuda")
+    expected = torch.cat([fn(p) for p in torch.tensor_split(x, 2)])
+    torch.testing.assert_close(dbo.overlap(fn)(x), expected)
