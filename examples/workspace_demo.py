@@ -15,12 +15,9 @@ What it shows, on CPU:
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 import dbo
-from dbo._context import UBatchContext, registered
 from workspace import (
     WorkspaceLockedError,
     current_workspace_manager,
@@ -32,6 +29,7 @@ NUM_UBATCHES = 2
 HIDDEN = 1024
 JOIN_TIMEOUT_S = 30.0
 MiB = float(1 << 20)
+RUNNER = dbo.UBatchRunner(num_ubatches=NUM_UBATCHES)
 
 
 def scratch_step(tokens: int) -> list[int]:
@@ -45,36 +43,17 @@ def scratch_step(tokens: int) -> list[int]:
     hidden.fill_(ubatch)
     scores.fill_(ubatch)
     index.copy_(torch.arange(tokens))
-    # Other ubatch's thread runs at the same time in its own slot: our bytes stay ours.
+    dbo.yield_()  # the other ubatch takes its own scratch memory meanwhile
     if not (bool((hidden == ubatch).all()) and int(index[-1]) == tokens - 1):
         raise AssertionError(f"ubatch {ubatch} saw foreign bytes")
     return [hidden.data_ptr(), scores.data_ptr(), index.data_ptr()]
 
 
 def run_ubatches(tokens_per_ubatch: list[int]) -> list[list[int]]:
-    """Run `scratch_step` in one registered thread per ubatch; return each one's addresses."""
-    results: list[list[int]] = [[] for _ in range(NUM_UBATCHES)]
-    errors: list[BaseException] = []
-
-    def body(ubatch_id: int) -> None:
-        try:
-            with registered(UBatchContext(ubatch_id=ubatch_id, num_ubatches=NUM_UBATCHES)):
-                results[ubatch_id] = scratch_step(tokens_per_ubatch[ubatch_id])
-        except BaseException as error:
-            errors.append(error)
-
-    threads = [
-        threading.Thread(target=body, args=(i,), name=f"ubatch-{i}") for i in range(NUM_UBATCHES)
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_TIMEOUT_S)
-        if thread.is_alive():
-            raise RuntimeError(f"{thread.name} did not finish within {JOIN_TIMEOUT_S:.0f} s")
-    if errors:
-        raise errors[0]
-    return results
+    """Run `scratch_step` as one overlap of NUM_UBATCHES ubatches; each one's addresses."""
+    return RUNNER.run(
+        scratch_step, [((tokens,), {}) for tokens in tokens_per_ubatch], timeout_s=JOIN_TIMEOUT_S
+    )
 
 
 def show_stats(title: str) -> None:
@@ -130,6 +109,7 @@ def main() -> None:
     show_stats("final")
     print("\nDone: after warmup and lock, the hot path reuses the same memory every step.")
     print("(Set DBO_DEBUG_WORKSPACE=1 to log every resize, lock and unlock.)")
+    RUNNER.close()
 
 
 if __name__ == "__main__":
