@@ -1,6 +1,6 @@
 """A small pytree: tuples, lists, dicts, namedtuples and dataclasses, with readable paths.
 
-The runtime needs three things from a nested argument structure: its leaves with a path
+The runtime needs four things from a nested argument structure: its leaves with a path
 for error messages ("args[0]", "kwargs['mask']", "out.logits"), a structure that can be
 compared between ubatches, and a way to rebuild it from new leaves. `torch.Size` and
 strings are leaves.
@@ -31,7 +31,7 @@ class TreeSpec:
         self.node_type = node_type
         self.keys = keys
         self.children = children
-        self.template = template  # a dataclass instance to copy when rebuilding
+        self.template = template  # a dict subclass instance to copy when rebuilding
 
     def _key(self) -> tuple[Any, ...]:
         return (self.kind, self.node_type, self.keys, self.children)
@@ -62,19 +62,50 @@ def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
 
 
-def _children(value: Any) -> tuple[str, type | None, tuple[Any, ...], list[Any]] | None:
-    """(kind, type, keys, child values) of a container node, or None for a leaf."""
+def _is_structseq(value: Any) -> bool:
+    """torch.return_types (e.g. the result of `x.max(dim=1)`) and other struct sequences."""
+    return isinstance(value, tuple) and hasattr(type(value), "n_fields")
+
+
+def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
+    """(kind, type, keys, child values) of a container node, or None for a leaf.
+
+    Dataclasses expose their `init=True` fields: rebuilding calls the constructor, so
+    `__post_init__` recomputes derived fields for the new contents.
+    """
     if _is_namedtuple(value):
         return "namedtuple", type(value), tuple(type(value)._fields), list(value)
+    if _is_structseq(value):
+        return "structseq", type(value), tuple(range(len(value))), list(value)
     if type(value) in (tuple, list):
         return type(value).__name__, type(value), tuple(range(len(value))), list(value)
     if isinstance(value, dict):
         keys = tuple(value.keys())
         return "dict", type(value), keys, [value[key] for key in keys]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(field.name for field in dataclasses.fields(value))
+        names = tuple(field.name for field in dataclasses.fields(value) if field.init)
         return "dataclass", type(value), names, [getattr(value, name) for name in names]
     return None
+
+
+def rebuild(
+    kind: str, node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
+) -> Any:
+    """A container like `template` (of `kind`, as `children` described it) holding `values`."""
+    if kind == "namedtuple":
+        return node_type(*values)
+    if kind in ("tuple", "list", "structseq"):
+        return node_type(values)
+    if kind == "dict":
+        if node_type is dict:
+            return dict(zip(keys, values))
+        # A subclass (defaultdict, OrderedDict, ...): keep its type and extra state, and
+        # bypass overridden update() methods (Counter.update adds counts).
+        rebuilt = copy.copy(template)
+        dict.clear(rebuilt)
+        dict.update(rebuilt, zip(keys, values))
+        return rebuilt
+    return node_type(**dict(zip(keys, values)))
 
 
 def _child_path(path: str, kind: str, key: Any) -> str:
@@ -89,18 +120,18 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], list[str], TreeSpec]:
     paths: list[str] = []
 
     def visit(node: Any, node_path: str) -> TreeSpec:
-        described = _children(node)
+        described = children(node)
         if described is None:
             leaves.append(node)
             paths.append(node_path)
             return _LEAF
         kind, node_type, keys, values = described
-        children = tuple(
+        child_specs = tuple(
             visit(child, _child_path(node_path, kind, key))
             for key, child in zip(keys, values)
         )
-        template = node if kind == "dataclass" else None
-        return TreeSpec(kind, node_type, keys, children, template)
+        template = node if kind == "dict" and node_type is not dict else None
+        return TreeSpec(kind, node_type, keys, child_specs, template)
 
     spec = visit(tree, path)
     return leaves, paths, spec
@@ -115,16 +146,7 @@ def unflatten(spec: TreeSpec, leaves: list[Any]) -> Any:
             return next(iterator)
         values = [build(child) for child in node.children]
         assert node.node_type is not None, "container specs always record their type"
-        if node.kind == "namedtuple":
-            return node.node_type(*values)
-        if node.kind in ("tuple", "list"):
-            return node.node_type(values)
-        if node.kind == "dict":
-            return node.node_type(zip(node.keys, values))
-        rebuilt = copy.copy(node.template)
-        for name, value in zip(node.keys, values):
-            object.__setattr__(rebuilt, name, value)  # works for frozen dataclasses too
-        return rebuilt
+        return rebuild(node.kind, node.node_type, node.keys, values, node.template)
 
     return build(spec)
 

@@ -1,9 +1,13 @@
 """The caller's thread-local torch settings, replayed in the ubatch worker threads.
 
-Intra-op thread count, grad mode, inference mode, autocast and the current CUDA device
-are all per thread in PyTorch. A worker that did not copy them would, for example, build
-autograd graphs under the caller's `torch.no_grad()`, or run matmuls with the default
-thread count (measured: about 2x slower than the caller on a 2-core machine).
+Intra-op thread count, grad mode, inference mode, autocast, the default device
+(`with torch.device(...)`, `torch.set_default_device`) and the current CUDA device are
+all per thread in PyTorch. Not replayed: other torch-function and dispatch modes (e.g.
+FakeTensorMode) and saved-tensor hooks; enter those inside `fn`.
+
+A worker that did not copy the settings would, for example, build autograd graphs
+under the caller's `torch.no_grad()`, or run matmuls with the default thread count
+(measured: about 2x slower than the caller on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class ThreadSettings:
     inference_mode: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
     """(device_type, dtype) of each enabled autocast."""
+    autocast_cache_enabled: bool
+    default_device: torch.device
     cuda_device: int | None
 
 
@@ -50,6 +56,8 @@ def capture() -> ThreadSettings:
         grad_enabled=torch.is_grad_enabled(),
         inference_mode=torch.is_inference_mode_enabled(),
         autocast=autocast,
+        autocast_cache_enabled=torch.is_autocast_cache_enabled(),
+        default_device=torch.get_default_device(),
         cuda_device=cuda_device,
     )
 
@@ -69,5 +77,11 @@ def applied(settings: ThreadSettings) -> Iterator[None]:
             stack.enter_context(torch.inference_mode(True))
         stack.enter_context(torch.set_grad_enabled(settings.grad_enabled))
         for device_type, dtype in settings.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(
+                torch.autocast(
+                    device_type, dtype=dtype, cache_enabled=settings.autocast_cache_enabled
+                )
+            )
+        if settings.default_device != torch.get_default_device():
+            stack.enter_context(settings.default_device)
         yield

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import threading
 import time
 
 from dbo.errors import UBatchAbortedError
@@ -59,7 +60,8 @@ class Baton:
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """Block until every ubatch has finished; False if `timeout_s` passed first."""
-        if self._done.acquire(timeout=-1 if timeout_s is None else max(timeout_s, 0.0)):
+        timeout = -1.0 if timeout_s is None else min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)
+        if self._done.acquire(timeout=timeout):
             self._done.release()  # stay "done" for any later query
             return True
         return False

@@ -5,7 +5,8 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 import torch
@@ -23,38 +24,70 @@ MergeFn = Callable[[Sequence[Any]], Any]
 """`merge([output_0, output_1, ...]) -> output`"""
 
 
-class _DefaultRunners:
-    """The runners `dbo.overlap` shares, one per (num_ubatches, device); closed at exit."""
+_MAX_IDLE_RUNNERS = 2
+"""Idle runners kept per (num_ubatches, device); more exist only while callers overlap."""
+
+
+class _RunnerPool:
+    """The runners `dbo.overlap` uses, per (num_ubatches, device); closed at exit.
+
+    Each call leases a runner of its own for the duration of the run: concurrent callers
+    (several threads, or a helper thread started inside a ubatch that calls another
+    overlapped function) never queue behind each other's runs, and a runner left broken
+    by the watchdog is closed instead of going back to the pool.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._runners: dict[tuple[int, torch.device | None], UBatchRunner] = {}
+        self._idle: dict[tuple[int, torch.device | None], list[UBatchRunner]] = {}
+        self._generation = 0
         self._atexit_registered = False
 
-    def get(self, num_ubatches: int, device: torch.device | None) -> UBatchRunner:
+    @contextmanager
+    def lease(self, num_ubatches: int, device: torch.device | None) -> Iterator[UBatchRunner]:
         key = (num_ubatches, device)
         with self._lock:
-            runner = self._runners.get(key)
-            if runner is None or runner.closed or runner.broken:
-                runner = self._runners[key] = UBatchRunner(num_ubatches, device)
-                if not self._atexit_registered:
-                    atexit.register(self.close_all)
-                    self._atexit_registered = True
-            return runner
+            idle = self._idle.setdefault(key, [])
+            runner = idle.pop() if idle else None
+            generation = self._generation
+            if not self._atexit_registered:
+                atexit.register(self.close_all)
+                self._atexit_registered = True
+        if runner is None:
+            runner = UBatchRunner(num_ubatches, device)
+        try:
+            yield runner
+        finally:
+            keep = False
+            with self._lock:
+                idle = self._idle.setdefault(key, [])
+                if (
+                    not (runner.broken or runner.closed)
+                    and generation == self._generation
+                    and len(idle) < _MAX_IDLE_RUNNERS
+                ):
+                    idle.append(runner)
+                    keep = True
+            if not keep:
+                # A broken runner's workers end once their stuck ubatch returns.
+                runner.close(timeout_s=0)
 
     def close_all(self) -> None:
+        """Close the idle runners; runners leased now are closed when their run ends."""
         with self._lock:
-            runners, self._runners = list(self._runners.values()), {}
+            runners = [runner for idle in self._idle.values() for runner in idle]
+            self._idle = {}
+            self._generation += 1
         for runner in runners:
             runner.close(timeout_s=1.0)
 
 
-_default_runners = _DefaultRunners()
+_runner_pool = _RunnerPool()
 
 
 def close_default_runners() -> None:
     """Close the worker threads `dbo.overlap` created (they are recreated on next use)."""
-    _default_runners.close_all()
+    _runner_pool.close_all()
 
 
 @overload
@@ -156,8 +189,8 @@ def overlap(
         ):
             return target(*args, **kwargs)
         parts = (split or default_split)(args, kwargs, num_ubatches)
-        runner = _default_runners.get(num_ubatches, resolved_device)
-        outputs = runner.run(target, parts, timeout_s=timeout_s)
+        with _runner_pool.lease(num_ubatches, resolved_device) as runner:
+            outputs = runner.run(target, parts, timeout_s=timeout_s)
         return (merge or default_merge)(outputs)
 
     if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):

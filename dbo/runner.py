@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import math
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 from dbo import _thread_settings
 from dbo._context import UBatchContext, current_context, registered
 from dbo._run import OverlapRun, UBatchStreams
+from dbo.baton import _release_quietly
 from dbo.device import DeviceBackend, backend_for
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
@@ -32,13 +34,14 @@ def check_num_ubatches(num_ubatches: Any) -> int:
 
 
 def check_timeout(timeout_s: Any) -> float | None:
+    """Validate a watchdog timeout: None or seconds > 0 (infinity means None)."""
     if timeout_s is None:
         return None
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    return float(timeout_s)
+    return None if math.isinf(timeout_s) else float(timeout_s)
 
 
 class _Worker:
@@ -48,21 +51,30 @@ class _Worker:
         self._ready = _thread.allocate_lock()
         self._ready.acquire()
         self._job: Callable[[], None] | None = None
+        self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, job: Callable[[], None] | None) -> None:
-        """Run `job` in the worker; None ends the thread."""
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run `job` in the worker (which must be idle)."""
+        assert self._job is None, "a worker runs one job at a time"
         self._job = job
         self._ready.release()
+
+    def stop(self) -> None:
+        """End the thread once its current job, if any, returns."""
+        self._stopping = True
+        _release_quietly(self._ready)
 
     def _loop(self) -> None:
         while True:
             self._ready.acquire()
             job, self._job = self._job, None
-            if job is None:
+            if job is not None:
+                job()
+                job = None  # a parked worker must not keep the last run's tensors alive
+            if self._stopping:
                 return
-            job()
 
 
 class UBatchRunner:
@@ -84,6 +96,7 @@ class UBatchRunner:
         self._run_lock = threading.Lock()
         self._closed = False
         self._broken: str | None = None
+        self._current_run: OverlapRun | None = None
         self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
         self._workers = [
             _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}") for i in range(self.num_ubatches)
@@ -105,16 +118,39 @@ class UBatchRunner:
         return [worker.thread for worker in self._workers]
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """End the worker threads (waits up to `timeout_s` each). Idempotent."""
-        with self._run_lock:
+        """End the worker threads; idempotent.
+
+        Waits up to `timeout_s` for a run in progress (in another thread) to end; past
+        that, the run is aborted (its ubatches raise `UBatchAbortedError` at their next
+        yield point) and the workers end when their ubatches return. Then joins each
+        worker for up to `timeout_s`. Raises RuntimeError when called from one of this
+        runner's own ubatch threads (that run could never end).
+        """
+        self._refuse_own_ubatch_thread("close")
+        acquired = self._run_lock.acquire(timeout=_bounded(timeout_s))
+        try:
             if self._closed:
                 return
             self._closed = True
+            run = self._current_run
+            if not acquired and run is not None:
+                run.baton.abort("the runner was closed", wake_all=True)
             for worker in self._workers:
-                worker.submit(None)
-        if self._broken is None:
+                worker.stop()
+        finally:
+            if acquired:
+                self._run_lock.release()
+        if acquired and self._broken is None:
             for worker in self._workers:
-                worker.thread.join(timeout_s)
+                worker.thread.join(_bounded(timeout_s))
+
+    def _refuse_own_ubatch_thread(self, what: str) -> None:
+        context = current_context()
+        if context is not None and getattr(context.scheduler, "owner", None) is self:
+            raise RuntimeError(
+                f"UBatchRunner.{what} was called from one of its own ubatch threads, which "
+                f"would wait for itself; a nested overlap runs inline (dbo.overlap does this)"
+            )
 
     def __enter__(self) -> UBatchRunner:
         return self
@@ -135,7 +171,8 @@ class UBatchRunner:
         Threading: ubatch 0 starts; a ubatch gives the baton to the next live ubatch only
         at a yield point (`dbo.yield_()` and the `yield_and_switch_*` calls) or when `fn`
         returns or raises. Each ubatch thread runs with the caller's torch settings
-        (intra-op threads, grad / inference mode, autocast, CUDA device).
+        (intra-op threads, grad / inference mode, autocast, default device); CUDA work goes
+        to the device of the ubatch streams.
 
         Streams (CUDA): ubatch i starts on its compute stream, which waits for the
         caller's current stream; before `run` returns, the caller's current stream waits
@@ -163,12 +200,7 @@ class UBatchRunner:
                     f"ubatch_inputs[{index}] must be an (args_tuple, kwargs_dict) pair, "
                     f"got {type(item).__name__}"
                 )
-        context = current_context()
-        if context is not None and getattr(context.scheduler, "owner", None) is self:
-            raise RuntimeError(
-                "UBatchRunner.run was called from one of its own ubatch threads; a nested "
-                "overlap must run inline (dbo.overlap does this)"
-            )
+        self._refuse_own_ubatch_thread("run")
         with self._run_lock:
             if self._closed:
                 raise RuntimeError("this UBatchRunner is closed; create a new one")
@@ -180,6 +212,8 @@ class UBatchRunner:
         self, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
     ) -> tuple[DeviceBackend, list[UBatchStreams]]:
         device = self.device if self.device is not None else _first_tensor_device(inputs)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         cached = self._streams.get(device)
         if cached is None:
             backend = backend_for(device)
@@ -203,31 +237,53 @@ class UBatchRunner:
         run.fork_event = backend.record_event(caller_stream)
         results: list[Any] = [None] * self.num_ubatches
         errors: list[BaseException | None] = [None] * self.num_ubatches
-        for ubatch_id, (worker, (args, kwargs)) in enumerate(zip(self._workers, inputs)):
-            worker.submit(
-                _UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
-            )
-        run.baton.start()
+        num_submitted = 0
+        self._current_run = run
         try:
+            for ubatch_id, (worker, (args, kwargs)) in enumerate(zip(self._workers, inputs)):
+                worker.submit(
+                    _UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
+                )
+                num_submitted += 1
+            run.baton.start()
             self._wait(run, timeout_s)
-        except BaseException:
-            # KeyboardInterrupt or the watchdog: wake everyone, give them a moment.
-            run.baton.abort("the overlap was interrupted", wake_all=True)
-            if not run.baton.wait_done(_ABORT_GRACE_S):
+        except BaseException as error:
+            # The watchdog, or an interrupt (KeyboardInterrupt) anywhere above: no worker
+            # may stay parked. Count unsubmitted ubatches as finished, wake everyone, and
+            # give them a moment to unwind; until they do, the runner is unusable.
+            self._broken = "an aborted run's ubatch threads have not finished"
+            for ubatch_id in range(num_submitted, self.num_ubatches):
+                run.baton.finish(ubatch_id)
+            reason = (
+                "the watchdog fired" if isinstance(error, OverlapTimeoutError)
+                else f"the caller was interrupted ({type(error).__name__})"
+            )
+            run.baton.abort(reason, wake_all=True)
+            if run.baton.wait_done(_ABORT_GRACE_S):
+                self._broken = None
+                self._join_streams(run, caller_stream)
+            else:
                 self._broken = (
-                    f"ubatch {run.baton.holder} is still running after the overlap was "
-                    "aborted; its thread cannot be reclaimed"
+                    f"ubatch {run.baton.holder} was still running {_ABORT_GRACE_S} s after its "
+                    "overlap was aborted; its thread cannot be reclaimed"
                 )
             raise
-        for events in run.join_events:
-            for event in events:
-                backend.wait_event(caller_stream, event)
+        finally:
+            self._current_run = None
+        self._join_streams(run, caller_stream)
         failure = run.first_failure or _first_failure(errors)
         if failure is not None:
             ubatch_id, error = failure
             attach_ubatch_id(error, ubatch_id, self.num_ubatches)
             raise error.with_traceback(error.__traceback__)
         return results
+
+    @staticmethod
+    def _join_streams(run: OverlapRun, caller_stream: Any) -> None:
+        """Order the caller's stream after every ubatch's compute and comm streams."""
+        for events in run.join_events:
+            for event in events:
+                run.backend.wait_event(caller_stream, event)
 
     def _wait(self, run: OverlapRun, timeout_s: float | None) -> None:
         """Wait for the run to end; with `timeout_s`, watch how long the holder holds."""
@@ -297,13 +353,17 @@ class _UBatchJob:
         except BaseException as error:  # noqa: B036 - every failure must reach the caller
             self.errors[ubatch_id] = error
             if not isinstance(error, UBatchAbortedError):
-                if run.first_failure is None:  # this thread holds the baton: no race
+                # Normally this thread holds the baton; after a forced wake-up (watchdog)
+                # several may race here, and any of their failures is a fine report.
+                if run.first_failure is None:
                     run.first_failure = (ubatch_id, error)
                 run.baton.abort(f"ubatch {ubatch_id} raised {type(error).__name__}: {error}")
         finally:
             # Drop references before waking the caller: the inputs and fn belong to it.
             self.args = self.kwargs = self.fn = None  # type: ignore[assignment]
+            self.results = self.errors = None  # type: ignore[assignment]
             run.baton.finish(ubatch_id)
+            self.run = None  # type: ignore[assignment]
 
 
 def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:
@@ -318,11 +378,23 @@ def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseExcepti
 
 
 def _first_tensor_device(inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> torch.device:
+    """The device of the first CUDA tensor in the inputs, else CPU.
+
+    A CPU scalar or index tensor placed before the CUDA batch must not select the CPU
+    backend: the ubatches would then share the thread's default stream.
+    """
     from dbo._pytree import flatten
 
     for args, kwargs in inputs:
         for tree in (args, kwargs):
             for leaf in flatten(tree)[0]:
-                if isinstance(leaf, torch.Tensor):
+                if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
                     return leaf.device
     return torch.device("cpu")
+
+
+def _bounded(timeout_s: float | None) -> float:
+    """A timeout `_thread` locks accept: -1 (forever) for None, at most TIMEOUT_MAX."""
+    if timeout_s is None:
+        return -1
+    return min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)

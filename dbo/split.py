@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dbo._pytree import flatten, unflatten
+from dbo._pytree import children, flatten, rebuild, unflatten
 
 UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
@@ -59,24 +59,37 @@ def default_split(
     Tensor contract: ubatch i gets views (no copy) of rows
     `[i * B // n + min(i, B % n) ...)` of each tensor, exactly `torch.tensor_split`'s
     parts; 0-dim tensors and non-tensor leaves are passed to every ubatch unchanged.
+    A container (list, dict, dataclass, ...) with no tensor to split inside is passed to
+    every ubatch as the same object, so what `fn` writes into it reaches the caller; a
+    container that holds split tensors is rebuilt per ubatch.
     """
     batch_size(args, kwargs)  # validates that dim-0 sizes agree
-    parts: UBatchInputs = []
-    flat_args, _, args_spec = flatten(args)
-    flat_kwargs, _, kwargs_spec = flatten(kwargs)
+    split_args = _split_node(args, num_ubatches) or [args] * num_ubatches
+    split_kwargs = _split_node(kwargs, num_ubatches) or [kwargs] * num_ubatches
+    return list(zip(split_args, split_kwargs))
 
-    def pieces(leaves: list[Any]) -> list[list[Any]]:
-        per_leaf = [
-            torch.tensor_split(x, num_ubatches, dim=0)
-            if isinstance(x, torch.Tensor) and x.ndim >= 1
-            else [x] * num_ubatches
-            for x in leaves
-        ]
-        return [[leaf_parts[i] for leaf_parts in per_leaf] for i in range(num_ubatches)]
 
-    for arg_leaves, kwarg_leaves in zip(pieces(flat_args), pieces(flat_kwargs)):
-        parts.append((unflatten(args_spec, arg_leaves), unflatten(kwargs_spec, kwarg_leaves)))
-    return parts
+def _split_node(node: Any, num_ubatches: int) -> list[Any] | None:
+    """The ubatch parts of `node`, or None when nothing inside it is split."""
+    if isinstance(node, torch.Tensor):
+        return list(torch.tensor_split(node, num_ubatches, dim=0)) if node.ndim >= 1 else None
+    described = children(node)
+    if described is None:
+        return None
+    kind, node_type, keys, values = described
+    parts = [_split_node(value, num_ubatches) for value in values]
+    if all(part is None for part in parts):
+        return None
+    return [
+        rebuild(
+            kind,
+            node_type,
+            keys,
+            [value if part is None else part[i] for value, part in zip(values, parts)],
+            node,
+        )
+        for i in range(num_ubatches)
+    ]
 
 
 def default_merge(outputs: Sequence[Any]) -> Any:

@@ -1,0 +1,367 @@
+"""Robustness: hangs, races and edge cases found in review, one test per finding.
+
+Every wait is bounded: blocking fns wait on a gate with a timeout, helper threads are
+daemons joined with a timeout, and each test that could hang has a pytest timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import dbo
+from dbo.baton import Baton
+
+_overlap_module = sys.modules["dbo.overlap"]  # `dbo.overlap` is the function
+
+
+def _start_daemon(target, *args) -> threading.Thread:  # type: ignore[no-untyped-def]
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+# ---------------------------------------------------------------- 1. close() and hangs
+@pytest.mark.timeout(20)
+def test_close_timeout_bounds_the_wait_for_a_running_overlap() -> None:
+    """close(timeout_s) blocks on the run lock with no bound: atexit's close_all hangs the
+    interpreter's exit while a daemon caller thread is inside a stuck overlap."""
+    runner = dbo.UBatchRunner(num_ubatches=2)
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            entered.set()
+            gate.wait(timeout=15)
+        return x
+
+    parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            runner.run(fn, parts)
+            outcome.append(None)
+        except BaseException as error:  # noqa: B036 - checked below
+            outcome.append(error)
+
+    caller = _start_daemon(call)
+    try:
+        assert entered.wait(5)
+        closer = _start_daemon(lambda: runner.close(timeout_s=0.5))
+        closer.join(3.0)
+        close_returned = not closer.is_alive()
+    finally:
+        gate.set()
+        caller.join(10)
+    assert close_returned, "close(timeout_s=0.5) was still blocked after 3 s"
+    # The run that close() cut short reports the abort to its caller; nothing hangs.
+    assert len(outcome) == 1 and isinstance(outcome[0], dbo.UBatchAbortedError)
+
+
+@pytest.mark.timeout(20)
+def test_close_from_inside_a_ubatch_does_not_deadlock() -> None:
+    """run() refuses a nested run of its own runner, but close() from a ubatch waits on
+    the run lock its own caller holds: a deadlock (here cut short by the watchdog)."""
+    runner = dbo.UBatchRunner(num_ubatches=2)
+    close_seconds: list[float] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            started = time.perf_counter()
+            with contextlib.suppress(RuntimeError):  # refusing is fine; blocking is not
+                runner.close()
+            close_seconds.append(time.perf_counter() - started)
+        return x
+
+    parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
+    try:
+        runner.run(fn, parts, timeout_s=2.0)
+    except dbo.OverlapTimeoutError as error:
+        pytest.fail(f"close() inside a ubatch deadlocked until the watchdog: {error}")
+    finally:
+        runner.close()
+    assert close_seconds and close_seconds[0] < 1.0
+
+
+@pytest.mark.timeout(20)
+def test_threads_of_a_replaced_broken_runner_exit() -> None:
+    """A runner left broken by the watchdog must not keep its worker threads parked
+    forever once the stuck ubatch returns."""
+    gate = threading.Event()
+    workers: set[threading.Thread] = set()
+
+    def stuck_in_one(x: torch.Tensor) -> torch.Tensor:
+        workers.add(threading.current_thread())
+        dbo.yield_()
+        if dbo.current_ubatch_id() == 1:
+            gate.wait(timeout=10)
+        dbo.yield_()
+        return x
+
+    wrapped = dbo.overlap(stuck_in_one, num_ubatches=2, timeout_s=0.3)
+    try:
+        with pytest.raises(dbo.OverlapTimeoutError):
+            wrapped(torch.zeros(4))
+        assert len(workers) == 2
+    finally:
+        gate.set()
+    assert torch.equal(wrapped(torch.ones(4)), torch.ones(4))  # replaces the runner
+    dbo.close_default_runners()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(t.is_alive() for t in workers):
+        time.sleep(0.05)
+    alive = [t.name for t in workers if t.is_alive()]
+    assert alive == [], f"threads of the replaced broken runner are parked forever: {alive}"
+
+
+@pytest.mark.timeout(30)
+def test_caller_queued_behind_a_timed_out_run_is_not_refused() -> None:
+    """A second caller of the same wrapper, already waiting on the runner's run lock when
+    the first caller's watchdog breaks the runner, gets 'this UBatchRunner is unusable'
+    instead of a replaced runner (the docs say the wrapper stays usable)."""
+    gate = threading.Event()
+    entered = threading.Event()
+    calls = [0]
+    lock = threading.Lock()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            with lock:
+                calls[0] += 1
+                first = calls[0] == 1
+            if first:
+                entered.set()
+                gate.wait(timeout=15)
+        dbo.yield_()
+        return x
+
+    wrapped = dbo.overlap(fn, num_ubatches=2, timeout_s=1.0)
+    first_error: list[BaseException] = []
+    second: list[object] = []
+
+    def first_caller() -> None:
+        try:
+            wrapped(torch.zeros(4))
+        except BaseException as error:  # noqa: B036
+            first_error.append(error)
+
+    def second_caller() -> None:
+        try:
+            second.append(wrapped(torch.ones(4)))
+        except BaseException as error:  # noqa: B036
+            second.append(error)
+
+    t1 = _start_daemon(first_caller)
+    try:
+        assert entered.wait(5)
+        t2 = _start_daemon(second_caller)
+        t1.join(10)
+        t2.join(10)
+    finally:
+        gate.set()
+        t1.join(10)
+    assert first_error and isinstance(first_error[0], dbo.OverlapTimeoutError)
+    assert len(second) == 1
+    assert isinstance(second[0], torch.Tensor), f"second caller failed: {second[0]!r}"
+
+
+@pytest.mark.timeout(30)
+def test_helper_thread_inside_fn_can_call_an_overlapped_function() -> None:
+    """A helper thread started inside a ubatch is 'outside an overlap' (docs), so its call
+    of an overlapped fn goes to the shared runner, whose run lock the outer caller holds
+    while the ubatch waits for the helper: a deadlock (forever without timeout_s)."""
+    inner = dbo.overlap(lambda x: x * 2, num_ubatches=2)
+
+    def outer_fn(x: torch.Tensor) -> torch.Tensor:
+        box: list[torch.Tensor] = []
+
+        def call_inner() -> None:
+            with contextlib.suppress(RuntimeError):  # reported by the assertion below
+                box.append(inner(x))
+
+        helper = threading.Thread(target=call_inner, daemon=True)
+        helper.start()
+        helper.join(timeout=5)
+        return box[0] if box else x * 0 - 1
+
+    outer = dbo.overlap(outer_fn, num_ubatches=2, timeout_s=3.0)
+    try:
+        out = outer(torch.ones(4))
+    except dbo.OverlapTimeoutError as error:
+        pytest.fail(f"helper thread's overlap deadlocked on the shared runner: {error}")
+    assert torch.equal(out, torch.full((4,), 2.0))
+
+
+# ---------------------------------------------------------------- 2. watchdog / abort
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e10])
+def test_huge_or_infinite_timeout_is_accepted(timeout_s: float) -> None:
+    """check_timeout accepts inf, but lock.acquire(timeout=inf) raises OverflowError inside
+    `_wait`, which then aborts the run (and breaks the runner if a ubatch is slow)."""
+    out = dbo.overlap(lambda x: x + 1, timeout_s=timeout_s)(torch.zeros(4))
+    assert torch.equal(out, torch.ones(4))
+
+
+@pytest.mark.timeout(30)
+def test_async_exception_before_the_baton_starts_does_not_wedge_the_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Jobs are submitted outside the try in `_run_locked`: a KeyboardInterrupt (signal)
+    between `submit` and `baton.start()` leaves every worker parked in `wait_turn` of a
+    baton nobody starts, and the runner is not marked broken, so the next run hangs."""
+    started_batons: list[Baton] = []
+    original_start = Baton.start
+
+    def interrupted_start(self: Baton) -> None:
+        started_batons.append(self)
+        if len(started_batons) == 1:
+            raise KeyboardInterrupt  # stands for a Ctrl-C landing just before start()
+        original_start(self)
+
+    monkeypatch.setattr(Baton, "start", interrupted_start)
+    runner = dbo.UBatchRunner(num_ubatches=2)
+    parts = [((torch.ones(1),), {}), ((torch.ones(1),), {})]
+    outcome = "ok"
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(lambda x: x, parts)
+        time.sleep(0.3)  # the user re-runs later; the workers have picked up their jobs
+        try:
+            runner.run(lambda x: x, parts, timeout_s=2.0)
+        except dbo.OverlapTimeoutError:
+            outcome = "hung"
+        except RuntimeError as error:
+            # A clear refusal is acceptable; `release unlocked lock` from submit() is not.
+            outcome = "refused" if "unusable" in str(error) else f"crashed: {error!r}"
+    finally:
+        for baton in started_batons:  # unpark the wedged workers
+            baton.abort("test cleanup", wake_all=True)
+        time.sleep(0.3)
+        with contextlib.suppress(RuntimeError):
+            runner.close(timeout_s=1.0)
+    assert outcome in ("ok", "refused"), f"the run after the interrupted one: {outcome}"
+
+
+# ---------------------------------------------------------------- 3. memory retention
+@pytest.mark.timeout(20)
+def test_workers_do_not_keep_the_last_runs_outputs_alive() -> None:
+    """`_Worker._loop` keeps its last `job` bound while parked; the job holds the run's
+    `results` and `errors` lists, so each ubatch's output (and a failure's traceback
+    frames) stays alive until the runner's next call: on CUDA, a batch of activations."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        refs.append(weakref.ref(y))
+        return y
+
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+        outputs = runner.run(fn, [((torch.ones(1000),), {}), ((torch.ones(1000),), {})])
+        merged = dbo.default_merge(outputs)
+        del outputs
+        gc.collect()
+        alive = sum(ref() is not None for ref in refs)
+        assert merged.shape == (2000,)
+        assert alive == 0, f"{alive} ubatch outputs are still referenced by idle workers"
+
+
+# ---------------------------------------------------------------- 4. split / pytree
+def test_mutations_of_a_list_argument_reach_the_caller() -> None:
+    """Containers are rebuilt per ubatch even when they hold nothing to split: a list the
+    caller passes for fn to fill stays empty. (tests/unit/test_overlap.py::
+    test_order_is_deterministic_across_runs passes vacuously because of this.)"""
+    log: list[int] = []
+
+    def fn(x: torch.Tensor, log: list[int]) -> torch.Tensor:
+        log.append(dbo.current_ubatch_id())
+        return x
+
+    dbo.overlap(fn)(torch.zeros(4), log)
+    assert sorted(log) == [0, 1]
+
+
+def test_defaultdict_argument_is_rebuilt() -> None:
+    """`unflatten` rebuilds dict subclasses as `node_type(zip(keys, values))`:
+    defaultdict(zip) raises TypeError (and loses default_factory)."""
+    table = collections.defaultdict(list, {"a": torch.zeros(4)})
+    out = dbo.overlap(lambda x, t: x + t["a"])(torch.ones(4), table)
+    assert torch.equal(out, torch.ones(4))
+
+
+def test_counter_argument_is_not_silently_corrupted() -> None:
+    """Counter(zip(keys, values)) counts the (key, value) pairs: silently wrong."""
+    seen: list[object] = []
+
+    def fn(x: torch.Tensor, counts: collections.Counter[str]) -> torch.Tensor:
+        seen.append(dict(counts))
+        return x
+
+    dbo.overlap(fn)(torch.ones(4), collections.Counter(a=3))
+    assert seen == [{"a": 3}, {"a": 3}]
+
+
+@dataclass(frozen=True)
+class _Batch:
+    x: torch.Tensor
+    num_rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_rows", int(self.x.shape[0]))
+
+
+def test_dataclass_fields_derived_in_post_init_match_the_ubatch() -> None:
+    """Dataclasses are rebuilt with copy.copy + setattr, bypassing __init__/__post_init__:
+    a derived (init=False) field keeps the whole batch's value in every ubatch."""
+    seen: list[tuple[int, int]] = []
+
+    def fn(batch: _Batch) -> torch.Tensor:
+        seen.append((int(batch.x.shape[0]), batch.num_rows))
+        return batch.x
+
+    dbo.overlap(fn)(_Batch(torch.zeros(4, 2)))
+    assert seen == [(2, 2), (2, 2)]
+
+
+# ---------------------------------------------------------------- 5. thread settings
+def test_default_device_context_is_replayed_in_workers() -> None:
+    """`with torch.device(...)` (and torch.set_default_device) is a thread-local
+    TorchFunctionMode; workers do not replay it, so factory calls inside fn land on a
+    different device than the same fn run inline."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(x.shape[0])  # no explicit device: follows the default device
+
+    x = torch.zeros(4)
+    with torch.device("meta"):
+        inline = fn(x)
+        overlapped = dbo.overlap(fn)(x)
+    assert inline.device.type == "meta"
+    assert overlapped.device.type == inline.device.type
+
+
+# ---------------------------------------------------------------- 6. CUDA (by reading)
+@pytest.mark.gpu
+def test_a_cpu_tensor_first_does_not_select_the_cpu_backend() -> None:
+    """`_first_tensor_device` takes the first tensor leaf of any kind: a CPU scalar or
+    index tensor before the CUDA batch selects the CPU backend, so the ubatches launch on
+    their thread's default stream with no fork/join against the caller's stream."""
+    streams: list[object] = []
+
+    def fn(scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        streams.append(dbo.current_stream())
+        return x * scale.item()
+
+    x = torch.ones(4, device="cuda")
+    dbo.overlap(fn)(torch.tensor(2.0), x)
+    assert all(isinstance(s, torch.cuda.Stream) for s in streams), streams
