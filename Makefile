@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - run the main example
+#   make demo   - run the main example (a 2-rank MoE model, serial vs dbo.overlap)
 #   make test   - lint, type-check and run the whole test suite
 #
 # Both create a virtual environment in $(VENV) if there is none and install the project
@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dbo-installed
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo demo-workspace test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -33,6 +33,9 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
+	$(BIN)/python examples/moe_overlap.py --spawn 2
+
+demo-workspace: $(STAMP)
 	$(BIN)/python examples/workspace_demo.py
 
 lint: $(STAMP)
@@ -48,6 +51,9 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/workspace_alloc.py
+	$(BIN)/python benchmarks/handoff.py
+	$(BIN)/python benchmarks/overlap_efficiency.py
+	$(BIN)/python benchmarks/comm_overlap.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

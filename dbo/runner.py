@@ -273,9 +273,9 @@ class UBatchRunner:
         self._join_streams(run, caller_stream)
         failure = run.first_failure or _first_failure(errors)
         if failure is not None:
-            ubatch_id, error = failure
-            attach_ubatch_id(error, ubatch_id, self.num_ubatches)
-            raise error.with_traceback(error.__traceback__)
+            failed_id, failed_error = failure
+            attach_ubatch_id(failed_error, failed_id, self.num_ubatches)
+            raise failed_error.with_traceback(failed_error.__traceback__)
         return results
 
     @staticmethod

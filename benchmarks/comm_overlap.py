@@ -1,0 +1,338 @@
+"""DBO vs serial vs a hand-written software pipeline, over real gloo collectives.
+
+    .venv/bin/python benchmarks/comm_overlap.py            # spawns its own 2 gloo ranks
+    .venv/bin/python benchmarks/comm_overlap.py --no-pin   # let the OS place the threads
+
+Two ranks on loopback run a layer loop: per ubatch per layer, compute (matmuls on the
+ubatch's activations) then an `all_to_all_single` of those activations. The same two
+ubatches run three ways:
+
+- serial:   ubatch 0's loop, then ubatch 1's (blocking collectives, no overlap);
+- DBO:      `dbo.overlap(loop)(x)` with `comm.all_to_all_single` (per-ubatch groups);
+- pipeline: one thread, by hand: launch ubatch u's all-to-all async, compute the other
+            ubatch, wait; the schedule DBO reaches without rewriting the loop.
+("one group": the same, with both ubatches' collectives on one process group.)
+
+Printed per row: c and m (one ubatch's compute and all-to-all per layer, each measured
+alone in this run), step times, speedup over serial, and the hidden fraction
+(T_serial - T) / (T_serial - T_ideal) with T_ideal = max(C, M) + min(c, m), C and M the
+totals over both ubatches. Every mode is timed in interleaved rounds (median of the
+per-round best of two steps, max over the ranks), so the ratios share the conditions.
+
+The first table measures two all-to-alls in flight at once, on one group or on one
+group each, against one after the other (the question behind `comm.ubatch_groups`).
+
+Machine notes (2 cores): each rank is pinned to its own core (every thread of the rank:
+ubatch threads and gloo's), so a baton handoff wakes the next ubatch on the core the
+previous one frees (a cross-core wake-up costs several times more on this VM); gloo's
+transfers need CPU too (TCP loopback copies, about 2/3 of a core while one runs), so
+the larger all-to-alls cannot be hidden behind compute and the ceiling is below 2x.
+
+What it showed on the project's 2-core VM: with both ubatches overlapped, each rank's
+core is ~100% busy (process CPU time ~= wall time), so every microsecond of overhead is
+step time. DBO then trails the hand-written pipeline by ~5-15%: the runtime's fixed cost
+per `dbo.overlap` call (~0.25 ms idle, up to ~0.9 ms under this load: worker wake-ups,
+split/merge) and ~2 extra context switches per baton handoff (~30 us of CPU each here)
+against ~10 us per collective for `comm` itself (a `UBatchRunner` with `comm` runs as
+fast as the same loop with raw `dist` calls and `dbo.yield_()`). Results vary by +-10%
+from run to run on this shared VM; compare columns within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import comm  # noqa: E402
+import dbo  # noqa: E402
+
+WORLD_SIZE = 2
+HIDDEN = 64
+CONFIGS = [
+    # (rows per ubatch: the all-to-all moves rows x HIDDEN float32, target c / m)
+    (1024, 1.0),
+    (4096, 1.0),
+    (4096, 2.0),
+    (4096, 0.5),
+]
+
+
+# --------------------------------------------------------------------------- timing
+def _time_ms(fn: Callable[[], Any], repeats: int = 2) -> float:
+    """Best of `repeats` runs of `fn`, each started together on every rank (ms)."""
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _interleaved(modes: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median over `rounds` interleaved rounds of each mode's time, max over ranks (ms)."""
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, fn in modes.items():
+            samples[name].append(_time_ms(fn))
+    medians = torch.tensor([statistics.median(samples[name]) for name in modes])
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(modes, medians.tolist()))
+
+
+# --------------------------------------------------------------------------- workload
+class Workload:
+    """`num_layers` x (compute: `num_matmuls` matmuls; communicate: all_to_all_single)."""
+
+    def __init__(self, rows: int, num_matmuls: int, num_layers: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        q, _ = torch.linalg.qr(torch.randn(HIDDEN, HIDDEN, generator=generator))
+        self.weight = q.contiguous()  # orthogonal: the activations keep their scale
+        self.num_matmuls, self.num_layers = num_matmuls, num_layers
+        generator.manual_seed(dist.get_rank() + 1)
+        self.x = torch.randn(2 * rows, HIDDEN, generator=generator)
+        self.parts = [part.contiguous() for part in self.x.tensor_split(2)]
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.num_matmuls):
+            x = x @ self.weight
+        return x
+
+    def loop(self, x: torch.Tensor, group: Any = None) -> torch.Tensor:
+        """The model: one ubatch's layers; DBO overlaps it, serial runs it per ubatch."""
+        for _ in range(self.num_layers):
+            x = self.compute(x)
+            out = torch.empty_like(x)
+            comm.all_to_all_single(out, x, group=group)
+            x = out
+        return x
+
+    def serial(self) -> torch.Tensor:
+        return torch.cat([self.loop(part) for part in self.parts])
+
+    def dbo(self, group: Any = None) -> torch.Tensor:
+        return dbo.overlap(lambda x: self.loop(x, group))(self.x)
+
+    def pipeline(self, groups: tuple[Any, Any]) -> torch.Tensor:
+        """One thread: ubatch u's all-to-all in flight while the other ubatch computes."""
+        xs = list(self.parts)
+        outs: list[Any] = [None, None]
+        works: list[Any] = [None, None]
+        for _ in range(self.num_layers):
+            for u in (0, 1):
+                if works[u] is not None:
+                    works[u].wait()
+                    xs[u] = outs[u]
+                xs[u] = self.compute(xs[u])
+                outs[u] = torch.empty_like(xs[u])
+                works[u] = dist.all_to_all_single(outs[u], xs[u], group=groups[u], async_op=True)
+        for u in (0, 1):
+            works[u].wait()
+            xs[u] = outs[u]
+        return torch.cat(xs)
+
+    def compute_and_comm_ms(self, rounds: int) -> tuple[float, float]:
+        """(c, m): one ubatch's compute and all-to-all for one layer, each alone."""
+        part = self.parts[0]
+        out = torch.empty_like(part)
+        times = _interleaved(
+            {"c": lambda: self.compute(part), "m": lambda: dist.all_to_all_single(out, part)},
+            rounds,
+        )
+        return times["c"], times["m"]
+
+
+def _calibrated(rows: int, target_ratio: float, layers: int, rounds: int) -> Workload:
+    """A workload whose per-layer compute is about `target_ratio` x its all-to-all."""
+    one_matmul_ms, comm_ms = Workload(rows, 1, layers).compute_and_comm_ms(rounds)
+    num_matmuls = max(1, round(target_ratio * comm_ms / one_matmul_ms))
+    agreed = torch.tensor([num_matmuls])
+    dist.broadcast(agreed, src=0)  # every rank runs the same loop
+    return Workload(rows, int(agreed.item()), layers)
+
+
+# --------------------------------------------------------------------------- in flight
+def _two_all_to_alls(
+    tensors: tuple[torch.Tensor, ...], groups: tuple[Any, Any], together: bool
+) -> tuple[float, float]:
+    """Two all-to-alls, the second launched after the first is done unless `together`;
+    (ms until the first is done, ms until both are)."""
+    a, b, out_a, out_b = tensors
+    dist.barrier()
+    start = time.perf_counter()
+    work_a = dist.all_to_all_single(out_a, a, group=groups[0], async_op=True)
+    if not together:
+        work_a.wait()
+    work_b = dist.all_to_all_single(out_b, b, group=groups[1], async_op=True)
+    work_a.wait()
+    first = time.perf_counter() - start
+    work_b.wait()
+    return first * 1e3, (time.perf_counter() - start) * 1e3
+
+
+def _in_flight(rounds: int, groups: tuple[Any, Any]) -> list[tuple[str, float, float]]:
+    """Two all-to-alls: (label, ms until the first is done, ms until both are)."""
+    rows = []
+    for megabytes in (0.25, 1.0):
+        numel = int(megabytes * 2**20 / 4)
+        tensors = (torch.randn(numel), torch.randn(numel), torch.empty(numel), torch.empty(numel))
+        setups = {
+            "one after the other": ((None, None), False),
+            "both in flight, one group": ((None, None), True),
+            "both in flight, two groups": (groups, True),
+        }
+        samples: dict[str, list[tuple[float, float]]] = {name: [] for name in setups}
+        for _ in range(2 * rounds):  # interleaved
+            for name, (pair, together) in setups.items():
+                samples[name].append(_two_all_to_alls(tensors, pair, together))
+        medians = torch.tensor(
+            [[statistics.median(column) for column in zip(*samples[name])] for name in setups]
+        )
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        for name, (first, both) in zip(setups, medians.tolist()):
+            rows.append((f"2 x {megabytes:g} MB, {name}", first, both))
+    return rows
+
+
+# --------------------------------------------------------------------------- one rank
+def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pinned = args.pin and len(cores) >= WORLD_SIZE
+    if pinned:
+        os.sched_setaffinity(0, {cores[rank]})  # before any thread exists: all inherit it
+    comm.init_distributed(backend="gloo", timeout_s=60)
+    groups = comm.ubatch_groups(None, 2)  # init_distributed made them; a lookup
+    shared = dist.new_group()  # a group without per-ubatch duplicates
+    report: dict[str, Any] = {
+        "pinned": pinned, "layers": args.layers, "rounds": args.rounds,
+        "in_flight": _in_flight(args.rounds, groups), "rows": [],
+    }
+    for rows, target_ratio in args.configs:
+        work = _calibrated(rows, target_ratio, args.layers, args.rounds)
+        c, m = work.compute_and_comm_ms(args.rounds)
+        modes: dict[str, Callable[[], Any]] = {
+            "serial": work.serial,
+            "dbo": work.dbo,
+            "pipeline": lambda work=work: work.pipeline(groups),
+            "dbo, one group": lambda work=work: work.dbo(shared),
+            "pipeline, one group": lambda work=work: work.pipeline((shared, shared)),
+        }
+        reference = work.serial()
+        for name, fn in modes.items():  # warm-up; every mode computes the same thing
+            if not torch.equal(fn(), reference):
+                raise AssertionError(f"{name} differs from serial")
+        times = _interleaved(modes, args.rounds)
+        label = f"{rows * HIDDEN * 4 // 1024} KB, c~{target_ratio:g}m"
+        report["rows"].append({"label": label, "c": c, "m": m, **times})
+    if rank == 0:
+        queue.put(report)
+    comm.destroy_distributed()
+
+
+# --------------------------------------------------------------------------- printing
+def _print_report(report: dict[str, Any]) -> None:
+    layers = report["layers"]
+    print(
+        f"2 gloo ranks on loopback, {'one core each' if report['pinned'] else 'not pinned'}, "
+        f"{report['rounds']} interleaved rounds; times in ms (median, max over ranks)\n"
+    )
+    print(f"Two all-to-alls per rank{'':<26}{'first done':>11}{'both done':>11}")
+    for label, first, both in report["in_flight"]:
+        print(f"  {label:<47}{first:>11.2f}{both:>11.2f}")
+    print(
+        f"\nLayer loop: 2 ubatches x {layers} layers; x = speedup over serial; "
+        "hidden = (serial - T) / (serial - ideal)"
+    )
+    print(
+        f"{'per ubatch':<17}{'c':>6}{'m':>6}{'serial':>8}{'ideal':>7}{'DBO':>7}{'pipe':>7}"
+        f"{'DBO x':>7}{'pipe x':>7}{'DBO hid':>8}{'pipe hid':>9}"
+        f"{'1 group: DBO':>14}{'pipe':>6}"
+    )
+    for row in report["rows"]:
+        c, m, serial = row["c"], row["m"], row["serial"]
+        ideal = max(2 * layers * c, 2 * layers * m) + min(c, m)
+
+        def hidden(t: float, serial: float = serial, ideal: float = ideal) -> str:
+            return f"{(serial - t) / (serial - ideal):.2f}" if serial > ideal else "n/a"
+
+        print(
+            f"{row['label']:<17}{c:6.2f}{m:6.2f}{serial:8.1f}{ideal:7.1f}{row['dbo']:7.1f}"
+            f"{row['pipeline']:7.1f}{serial / row['dbo']:7.2f}{serial / row['pipeline']:7.2f}"
+            f"{hidden(row['dbo']):>8}{hidden(row['pipeline']):>9}"
+            f"{serial / row['dbo, one group']:>13.2f}x{serial / row['pipeline, one group']:>5.2f}x"
+        )
+
+
+def _wait_for_report(queue: Any, processes: list[Any], deadline: float) -> dict[str, Any]:
+    """Rank 0's report; raise if a rank dies first or the deadline passes."""
+    import queue as queue_module
+
+    while time.perf_counter() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            failed = [p.name for p in processes if p.exitcode not in (None, 0)]
+            if failed:
+                raise SystemExit(f"{failed} failed (see the traceback above)") from None
+    raise SystemExit("the ranks did not finish in time; pass a larger --timeout-s")
+
+
+def _parse_configs(text: str) -> list[tuple[int, float]]:
+    configs = []
+    for item in text.split(","):
+        rows, ratio = item.split(":")
+        configs.append((int(rows), float(ratio)))
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per mode")
+    parser.add_argument("--layers", type=int, default=16, help="layers per step")
+    parser.add_argument("--timeout-s", type=float, default=110.0, help="give up after this")
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="do not pin each rank to its own core")
+    parser.add_argument(
+        "--configs", type=_parse_configs, default=CONFIGS,
+        help="ROWS:RATIO,... rows per ubatch and target c/m (default: %(default)s)",
+    )
+    args = parser.parse_args()
+    context = multiprocessing.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
+    queue = context.Queue()
+    processes = [
+        context.Process(target=_rank_main, args=(rank, store.port, args, queue), daemon=True)
+        for rank in range(WORLD_SIZE)
+    ]
+    started = time.perf_counter()
+    for process in processes:
+        process.start()
+    try:
+        report = _wait_for_report(queue, processes, started + args.timeout_s)
+    finally:
+        for process in processes:
+            process.join(10.0)
+            if process.is_alive():
+                process.kill()
+    _print_report(report)
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Argument checks shared by the collectives and MoE dispatch/combine.
+
+Every check here runs on the host, on metadata only (shapes, dtypes, devices, split
+lists), before anything is launched: a bad call raises on the rank that made it and no
+collective is left half-matched on the others. Errors say what was passed and the fix.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+NOT_INITIALIZED_MESSAGE = (
+    "torch.distributed is not initialized; call comm.init_distributed() first (under "
+    "torchrun, e.g. `torchrun --nproc-per-node 2 your_script.py`), or "
+    "comm.init_distributed(allow_single_process=True) for a world of one process"
+)
+
+
+def resolve_group(group: Any) -> dist.ProcessGroup:
+    """The process group a collective runs on: `group`, or the default group for None.
+
+    Raises RuntimeError when torch.distributed is not initialized, TypeError for a
+    non-group, ValueError when this rank is not a member of `group`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(NOT_INITIALIZED_MESSAGE)
+    if group is None:
+        world = dist.group.WORLD
+        assert isinstance(world, dist.ProcessGroup), "an initialized world has a default group"
+        return world
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not a member of the group {group.group_name!r} "
+            f"(ranks {dist.get_process_group_ranks(group)}); call the collective only on its "
+            "members"
+        )
+    return group
+
+
+def require_tensor(name: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_same_dtype(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(
+            f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}; "
+            f"convert one with .to({a.dtype})"
+        )
+
+
+def require_same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
+    if a.device != b.device:
+        raise ValueError(
+            f"{name_a} and {name_b} must be on the same device, got {a.device} and "
+            f"{b.device}; move one with .to({str(a.device)!r})"
+        )
+
+
+def require_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (shape {tuple(tensor.shape)}, stride "
+            f"{tensor.stride()}); pass {name}.contiguous() (for an output, copy the result "
+            "into your view afterwards)"
+        )
+
+
+def require_backend_device(group: dist.ProcessGroup, name: str, tensor: torch.Tensor) -> None:
+    """NCCL moves CUDA tensors only; say so before launching rather than inside NCCL."""
+    if not tensor.is_cuda and group.name().lower() == "nccl":
+        raise ValueError(
+            f"{name} is on {tensor.device} but the group's backend is nccl, which needs CUDA "
+            "tensors; move it with .cuda() or use a gloo group for CPU tensors"
+        )
+
+
+def require_reduce_op(op: Any) -> None:
+    if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        raise TypeError(f"op must be a torch.distributed.ReduceOp, got {op!r}")
+
+
+def check_split_sizes(
+    name: str,
+    split_sizes: Sequence[int] | None,
+    tensor_name: str,
+    tensor: torch.Tensor,
+    world_size: int,
+) -> list[int] | None:
+    """Validate one side's split sizes of `all_to_all_single`; return them as a list.
+
+    `split_sizes[r]` rows of `tensor` go to (or come from) rank r: one entry per rank,
+    each >= 0, summing to `tensor.shape[0]`. None means equal splits, which needs
+    `tensor.shape[0]` divisible by `world_size`.
+    """
+    dim0 = int(tensor.shape[0])
+    if split_sizes is None:
+        if dim0 % world_size != 0:
+            raise ValueError(
+                f"{name}=None splits {tensor_name} evenly over {world_size} ranks, but its "
+                f"dim 0 is {dim0}, not divisible by {world_size}; pass {name} explicitly"
+            )
+        return None
+    if isinstance(split_sizes, torch.Tensor) or not isinstance(split_sizes, Sequence):
+        raise TypeError(
+            f"{name} must be a list of ints (one per rank) or None, got "
+            f"{type(split_sizes).__name__}; use .tolist() on a tensor of sizes"
+        )
+    try:
+        sizes = [operator.index(size) for size in split_sizes]
+    except TypeError:
+        raise TypeError(f"{name} must contain ints, got {list(split_sizes)!r}") from None
+    if len(sizes) != world_size:
+        raise ValueError(
+            f"{name} must have one entry per rank of the group ({world_size}), got "
+            f"{len(sizes)}: {sizes}"
+        )
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"{name} must be >= 0, got {sizes}")
+    if sum(sizes) != dim0:
+        raise ValueError(
+            f"{name} {sizes} sums to {sum(sizes)}, but {tensor_name} has {dim0} rows (dim 0); "
+            f"the sizes must add up to {tensor_name}.shape[0]"
+        )
+    return sizes

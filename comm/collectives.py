@@ -1,0 +1,324 @@
+"""DBO-aware collectives with the torch.distributed signatures.
+
+    comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)
+    comm.all_reduce(tensor, op, group)
+    comm.all_gather_into_tensor(output, input, group)
+    comm.reduce_scatter_tensor(output, input, op, group)
+
+Outside an overlap each is the plain torch.distributed op (blocking; with
+`async_op=True`, a `CollectiveWork` wrapping torch's `Work`).
+
+Inside an overlap (a ubatch thread of `dbo.overlap`), a blocking call:
+  1. moves the ubatch to its comm stream, ordered after its compute stream by an event
+     (`dbo.switch_to_comm`; a no-op with checks on CPU);
+  2. launches the collective asynchronously on the ubatch's duplicate group (see
+     `comm.groups`; the base group if there is none) and protects the tensors from the
+     CUDA caching allocator on the comm stream (`Tensor.record_stream`);
+  3. `dbo.yield_()`: the other ubatches run while the transfer is in flight (on CPU, gloo
+     moves the data in its own threads while they compute);
+  4. waits for the collective (CUDA: the comm stream waits, the host does not; gloo: the
+     host blocks, with the GIL released) and moves back to the compute stream.
+The caller already on its comm stream stays there (steps 1 and 4 skip the moves).
+
+With `async_op=True` inside an overlap, steps 1-2 happen, the ubatch moves back to its
+compute stream at once, and the returned `CollectiveWork.wait()` does steps 3-4 (yield,
+then wait), so the caller can place its own compute between launch and wait.
+
+A blocking call yields exactly once; an async one yields once, at its first `wait()`
+(none with `wait(yield_first=False)`), whatever the timing: the yield points, and so the
+order in which ranks launch collectives, depend only on the program. Do not branch on
+`is_completed()` inside an overlap: that would make the order depend on timing and
+mismatch collectives across ranks.
+
+Arguments are checked on the host before anything is launched (TypeError / ValueError
+naming the values): a bad call raises on the calling rank with no collective pending.
+Consistency *between* ranks (rank a's input split for b equal to b's output split from
+a) cannot be checked locally; `comm.moe.dispatch` exchanges counts so it always holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dbo
+from comm._checks import (
+    check_split_sizes,
+    require_backend_device,
+    require_contiguous,
+    require_reduce_op,
+    require_same_device,
+    require_same_dtype,
+    require_tensor,
+    resolve_group,
+)
+from comm.groups import group_registry
+
+ReduceOp = dist.ReduceOp
+
+_Launch = Callable[[dist.ProcessGroup, bool], Any]
+"""`launch(group, async_op) -> Work | None`: the torch.distributed call itself."""
+
+
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """`dist.all_gather_single` (torch >= 2.13; the old name warns), else the old name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    """`dist.reduce_scatter_single` (torch >= 2.13; the old name warns), else the old name."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(*args, **kwargs)
+
+
+class CollectiveWork:
+    """An in-flight collective launched with `async_op=True`.
+
+    `wait()` completes it: inside the overlap that launched it, it first yields to the
+    other ubatches (once), then waits. CUDA: the *current* stream waits for the
+    collective (the host does not block). gloo: the host blocks until the data arrived
+    (GIL released) and re-raises a peer's failure or the group's timeout. The tensors
+    passed to the collective stay referenced until `wait()` returns.
+    """
+
+    __slots__ = ("_work", "_tensors", "_yields", "_done")
+
+    def __init__(self, work: Any, tensors: Sequence[torch.Tensor], yields: bool) -> None:
+        self._work = work
+        self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
+        self._yields = yields
+        self._done = False
+
+    @property
+    def work(self) -> Any:
+        """The underlying `torch.distributed.Work`."""
+        return self._work
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (for diagnostics; never branch on it
+        inside an overlap, see the module docstring)."""
+        return bool(self._work.is_completed())
+
+    def wait(self, *, yield_first: bool = True) -> None:
+        """Yield (inside the launching overlap, if `yield_first`), then wait. Idempotent:
+        a second call returns at once, without yielding.
+
+        `yield_first=False` waits without letting the other ubatches run first; choose it
+        in the program, never from timing.
+        """
+        if self._done:
+            return
+        self._done = True
+        try:
+            if self._yields and yield_first and dbo.enabled():
+                dbo.yield_()
+            self._work.wait()
+        finally:
+            self._tensors = ()
+
+    def __repr__(self) -> str:
+        state = "waited" if self._done else "in flight"
+        return f"CollectiveWork({state}, yields={self._yields})"
+
+
+def _protect(tensors: Sequence[torch.Tensor]) -> None:
+    """Keep the CUDA caching allocator from reusing `tensors` before the ubatch's current
+    (comm) stream is past them. CPU tensors need nothing."""
+    stream = None
+    for tensor in tensors:
+        if tensor.is_cuda:
+            if stream is None:
+                stream = dbo.current_stream()
+            if isinstance(stream, torch.cuda.Stream):
+                tensor.record_stream(stream)
+
+
+def _run(
+    launch: _Launch,
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    async_op: bool,
+) -> CollectiveWork | None:
+    """Launch a checked collective, DBO-aware inside an overlap (module docstring)."""
+    if not dbo.enabled():
+        work = launch(group, async_op)
+        return CollectiveWork(work, tensors, yields=False) if async_op else None
+    ubatch_group = group_registry().lookup(group, dbo.current_ubatch_id())
+    switched = not dbo.on_comm_stream()
+    if switched:
+        dbo.switch_to_comm()
+    try:
+        work = launch(ubatch_group, True)
+        _protect(tensors)
+        if async_op:
+            return CollectiveWork(work, tensors, yields=True)
+        dbo.yield_()  # the other ubatches run while this transfer is in flight
+        work.wait()
+        return None
+    finally:
+        if switched:
+            dbo.switch_to_compute()
+
+
+def _check_pair(
+    output: Any, input: Any, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    output = require_tensor("output", output)
+    input = require_tensor("input", input)
+    require_same_dtype("output", output, "input", input)
+    require_same_device("output", output, "input", input)
+    require_contiguous("output", output)
+    require_contiguous("input", input)
+    require_backend_device(group, "input", input)
+    return output, input
+
+
+def _check_async_op(async_op: Any) -> bool:
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    return async_op
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CollectiveWork | None:
+    """Scatter rows of `input` to the ranks of `group`; gather theirs into `output`.
+
+    Tensor contract: `input` [sum(input_split_sizes), *row] and `output`
+    [sum(output_split_sizes), *row], same dtype, device and row shape, contiguous.
+    Rows `input[offset_r : offset_r + input_split_sizes[r]]` go to rank r; `output` gets
+    rank r's rows at `offset_r` of `output_split_sizes`, in rank order. Split sizes:
+    one int >= 0 per rank (zero is fine); None means equal parts. `output` is written
+    when the call returns (blocking) or once `wait()` returns (`async_op=True`).
+
+    Outside an overlap: `torch.distributed.all_to_all_single`. Inside: on the ubatch's
+    comm stream and group, yielding while in flight (module docstring).
+    """
+    base = resolve_group(group)
+    async_op = _check_async_op(async_op)
+    output, input = _check_pair(output, input, base)
+    if output.ndim == 0:
+        raise ValueError("all_to_all_single needs tensors with a dim 0, got 0-dim tensors")
+    if output.shape[1:] != input.shape[1:]:
+        raise ValueError(
+            f"output and input must have the same row shape (all dims but 0), got "
+            f"{tuple(output.shape)} and {tuple(input.shape)}"
+        )
+    world_size = base.size()
+    output_splits = check_split_sizes(
+        "output_split_sizes", output_split_sizes, "output", output, world_size
+    )
+    input_splits = check_split_sizes(
+        "input_split_sizes", input_split_sizes, "input", input, world_size
+    )
+
+    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
+        return dist.all_to_all_single(
+            output, input, output_splits, input_splits, group=process_group,
+            async_op=launch_async,
+        )
+
+    return _run(launch, (output, input), base, async_op)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CollectiveWork | None:
+    """Reduce `tensor` over the ranks of `group` with `op`, in place.
+
+    Tensor contract: any shape; every rank passes the same shape and dtype; `tensor`
+    holds the result when the call returns (or after `wait()`).
+
+    Outside an overlap: `torch.distributed.all_reduce`. Inside: on the ubatch's comm
+    stream and group, yielding while in flight (module docstring).
+    """
+    base = resolve_group(group)
+    async_op = _check_async_op(async_op)
+    tensor = require_tensor("tensor", tensor)
+    require_reduce_op(op)
+    require_backend_device(base, "tensor", tensor)
+
+    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
+        return dist.all_reduce(tensor, op=op, group=process_group, async_op=launch_async)
+
+    return _run(launch, (tensor,), base, async_op)
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CollectiveWork | None:
+    """Gather every rank's `input` into `output`, in rank order.
+
+    Tensor contract: `input` any shape; `output` holds `world_size * input.numel()`
+    elements (e.g. [world_size * n, ...] or [world_size, n, ...]), same dtype and
+    device, contiguous; rank r's input lands in the r-th chunk of `output`.
+
+    Outside an overlap: `torch.distributed.all_gather_into_tensor`. Inside: on the
+    ubatch's comm stream and group, yielding while in flight (module docstring).
+    """
+    base = resolve_group(group)
+    async_op = _check_async_op(async_op)
+    output, input = _check_pair(output, input, base)
+    world_size = base.size()
+    if output.numel() != world_size * input.numel():
+        raise ValueError(
+            f"output must hold world_size * input.numel() = {world_size} * {input.numel()} "
+            f"= {world_size * input.numel()} elements, got shape {tuple(output.shape)} "
+            f"({output.numel()} elements)"
+        )
+
+    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
+        return _all_gather_single(output, input, group=process_group, async_op=launch_async)
+
+    return _run(launch, (output, input), base, async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> CollectiveWork | None:
+    """Reduce `input` over the ranks with `op`; rank r keeps the r-th chunk in `output`.
+
+    Tensor contract: `input` holds `world_size * output.numel()` elements, same dtype
+    and device as `output`, both contiguous; chunk r is `input.flatten()` elements
+    `[r * output.numel(), (r + 1) * output.numel())`.
+
+    Outside an overlap: `torch.distributed.reduce_scatter_tensor`. Inside: on the
+    ubatch's comm stream and group, yielding while in flight (module docstring).
+    """
+    base = resolve_group(group)
+    async_op = _check_async_op(async_op)
+    output, input = _check_pair(output, input, base)
+    require_reduce_op(op)
+    world_size = base.size()
+    if input.numel() != world_size * output.numel():
+        raise ValueError(
+            f"input must hold world_size * output.numel() = {world_size} * {output.numel()} "
+            f"= {world_size * output.numel()} elements, got shape {tuple(input.shape)} "
+            f"({input.numel()} elements)"
+        )
+
+    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
+        return _reduce_scatter_single(
+            output, input, op=op, group=process_group, async_op=launch_async
+        )
+
+    return _run(launch, (output, input), base, async_op)

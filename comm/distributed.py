@@ -1,0 +1,201 @@
+"""Start-up and shut-down of torch.distributed as launched by `torchrun`.
+
+    torchrun --nproc-per-node 2 script.py                        # one node, 2 processes
+    torchrun --nnodes 2 --node-rank 0 --master-addr HOST \\
+             --master-port 29500 --nproc-per-node 8 script.py    # on each node (its rank)
+
+`init_distributed()` reads the environment `torchrun` sets (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), picks NCCL for CUDA devices and gloo otherwise,
+binds the process to its GPU, and creates the per-ubatch duplicate groups of the default
+group (see `comm.groups`). Nothing happens at import.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dbo
+from comm.groups import destroy_ubatch_groups, group_registry, ubatch_groups
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long a collective may wait for its peers before it raises (seconds)."""
+
+TORCHRUN_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What `torchrun` sets for each process and `init_distributed` reads."""
+
+
+class TorchrunEnvironmentError(RuntimeError):
+    """`init_distributed` ran without the environment `torchrun` sets."""
+
+
+@dataclass
+class _State:
+    """What `init_distributed` decided, so that later calls return the same answer."""
+
+    device: torch.device | None = None
+    ubatch_groups_done: bool = False
+
+
+_state = _State()
+
+
+def _torchrun_hint(missing: list[str]) -> str:
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "your_script.py"
+    return (
+        f"comm.init_distributed() needs the environment that torchrun sets; missing: "
+        f"{', '.join(missing)}. Launch with\n"
+        f"    torchrun --nproc-per-node 2 {script}\n"
+        f"or, over several nodes (run on each, with its --node-rank),\n"
+        f"    torchrun --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500 "
+        f"--nproc-per-node 8 {script}\n"
+        "or pass allow_single_process=True to run as a world of one process"
+    )
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def _resolve_device(
+    device: torch.device | str | int | None, backend: str | None, local_rank: int
+) -> torch.device:
+    if device is None:
+        wants_cpu = backend is not None and backend.lower() == "gloo"
+        if torch.cuda.is_available() and not wants_cpu:
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", local_rank)
+    return resolved
+
+
+def init_distributed(
+    backend: str | None = None,
+    device: torch.device | str | int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    allow_single_process: bool = False,
+    num_ubatch_groups: int = 2,
+) -> tuple[int, int, torch.device]:
+    """Initialize torch.distributed from the torchrun environment; return (rank, world, device).
+
+    Args:
+        backend: "nccl", "gloo", ...; None: NCCL for a CUDA device, gloo otherwise.
+        device: this process's device; None: `cuda:LOCAL_RANK` when CUDA is available
+            (and the backend is not gloo), else CPU. A CUDA device becomes the current
+            device (`torch.cuda.set_device`).
+        timeout_s: how long a collective waits for its peers before raising; this is what
+            turns a peer that died or diverged into an error instead of a hang.
+        allow_single_process: without the torchrun environment, initialize a world of one
+            process (rank 0, an in-process store: no port, no network) instead of raising.
+        num_ubatch_groups: per-ubatch duplicates of the default group to create (a
+            collective, done here so it happens on every rank at the same point; see
+            `comm.ubatch_groups`); 0 creates none. Not created for a world of one.
+
+    Idempotent: once torch.distributed is initialized, later calls only return the same
+    triple (a world initialized elsewhere is adopted; its duplicate groups are created by
+    the first call here, which must then be made on every rank).
+
+    Raises `TorchrunEnvironmentError` (a RuntimeError) showing the torchrun command when
+    the environment is missing, ValueError for contradictory arguments, RuntimeError
+    when called inside an overlap.
+    """
+    if dbo.enabled():
+        raise RuntimeError(
+            "comm.init_distributed() was called inside dbo.overlap; initialize once per "
+            "process before overlapping (it creates process groups, a collective)"
+        )
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a string such as 'nccl' or 'gloo', got {backend!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if isinstance(num_ubatch_groups, bool) or not isinstance(num_ubatch_groups, int):
+        raise TypeError(f"num_ubatch_groups must be an int >= 0, got {num_ubatch_groups!r}")
+    if num_ubatch_groups < 0:
+        raise ValueError(f"num_ubatch_groups must be >= 0, got {num_ubatch_groups}")
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed support")
+
+    if not dist.is_initialized():
+        _init_process_group(backend, device, float(timeout_s), allow_single_process)
+        group_registry().timeout_s = float(timeout_s)
+    elif _state.device is None:
+        _state.device = _resolve_device(
+            device, str(dist.get_backend()), int(os.environ.get("LOCAL_RANK", "0"))
+        )
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not _state.ubatch_groups_done:
+        if num_ubatch_groups > 0 and world_size > 1:
+            ubatch_groups(None, num_ubatch_groups)
+        _state.ubatch_groups_done = True
+    assert _state.device is not None, "set by the first initialization"
+    return rank, world_size, _state.device
+
+
+def _init_process_group(
+    backend: str | None,
+    device: torch.device | str | int | None,
+    timeout_s: float,
+    allow_single_process: bool,
+) -> None:
+    missing = [name for name in TORCHRUN_ENV_VARS if name not in os.environ]
+    if missing and not allow_single_process:
+        raise TorchrunEnvironmentError(_torchrun_hint(missing))
+    single = bool(missing)
+    rank = 0 if single else _env_int("RANK")
+    world_size = 1 if single else _env_int("WORLD_SIZE")
+    local_rank = 0 if single else _env_int("LOCAL_RANK")
+    resolved = _resolve_device(device, backend, local_rank)
+    if backend is None:
+        backend = "nccl" if resolved.type == "cuda" else "gloo"
+    if backend.lower() == "nccl" and resolved.type != "cuda":
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA device, got device={resolved}; use backend='gloo' "
+            "for CPU tensors"
+        )
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count()
+        if resolved.index is None or resolved.index >= count:
+            raise ValueError(
+                f"device {resolved} does not exist: this node has {count} CUDA device(s); "
+                "start at most that many processes per node (torchrun --nproc-per-node)"
+            )
+        torch.cuda.set_device(resolved)
+    options: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
+    if resolved.type == "cuda":
+        options["device_id"] = resolved
+    if single:
+        options["store"] = dist.HashStore()
+    else:
+        options["init_method"] = "env://"  # MASTER_ADDR / MASTER_PORT
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **options)
+    _state.device = resolved
+    _state.ubatch_groups_done = False
+
+
+def destroy_distributed() -> None:
+    """Destroy the per-ubatch groups and the default group. Idempotent.
+
+    Call it on every rank at the end (and before initializing again in one process).
+    """
+    if dbo.enabled():
+        raise RuntimeError("comm.destroy_distributed() was called inside dbo.overlap")
+    destroy_ubatch_groups()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _state.device = None
+    _state.ubatch_groups_done = False

@@ -1,0 +1,161 @@
+"""Per-ubatch duplicate process groups, so two ubatches' collectives can be in flight at once.
+
+Why: one torch.distributed process group runs its collectives (mostly) one after another,
+and on gloo a second collective queued behind a first one delays it. Measured here (2
+gloo ranks on loopback, `benchmarks/comm_overlap.py`): with two all-to-alls in flight on
+the *same* group, the first one completed 2-5x later than when it ran alone; on two
+groups (one each) the first completed about as early as alone and both finished no later
+than one after the other. In the layer loop, DBO on one shared group was slower than on
+per-ubatch groups in most configurations. Forcing one-at-a-time order on per-ubatch groups
+(wait for the other ubatch's collective before launching) measured no better, so the
+collectives do not serialize. NCCL is the same by construction: a communicator runs its
+collectives in order on one internal CUDA stream per device, so on one group ubatch 1's
+all-to-all queues behind ubatch 0's; a duplicate communicator per ubatch gets its own
+stream. With one duplicate group per ubatch, ubatch i's collectives go to group i and
+the two ubatches' transfers proceed independently (`comm.collectives` does this by
+default inside an overlap, for every base group that has duplicates).
+
+Why the order is still safe: every rank launches collectives in the order the dbo baton
+gives the ubatches, which is the same on every rank (ubatch 0 runs until its first yield
+point, then ubatch 1, ... in a fixed ring; the points depend on the program, never on
+timing). So on every group the sequence of collectives is identical on all ranks, which
+is all torch.distributed (gloo tags, NCCL communicators) needs to match them. On NCCL,
+kernels of two communicators on one GPU may then run concurrently; both progress because
+each uses a few SMs, and they were enqueued in the same order on every rank (NCCL's
+condition for using several communicators at once). This holds as long as every rank
+runs the same program with the same number of ubatches: `dbo.overlap` runs `fn` inline
+(one ubatch, base group) when a rank's batch has fewer rows than `num_ubatches` or
+`min_batch_size`, so a rank with few or no tokens must not take that path while the
+others overlap (same batch size everywhere, or run the ubatches with a
+`dbo.UBatchRunner`, which always runs every ubatch, empty ones included).
+
+The creation rule: `torch.distributed.new_group` is itself a collective. Every rank of
+the base group must call `ubatch_groups(group, n)` the same number of times, in the same
+order relative to its other group creations, outside any overlap; `init_distributed`
+does it for the default group at start-up. Creating groups lazily from one ubatch thread
+could interleave differently with the other ubatch's collectives on different ranks, so
+inside an overlap `ubatch_groups` only returns groups that already exist and raises
+otherwise, and the collectives never create groups: without duplicates they fall back to
+the base group (correct, just serialized).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+import dbo
+from comm._checks import resolve_group
+
+
+class UBatchGroupRegistry:
+    """The duplicate groups created so far, per base group (one per process).
+
+    `timeout_s` is the timeout new duplicates get (set by `init_distributed`; None: the
+    torch.distributed default).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._duplicates: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
+        self._is_duplicate: set[dist.ProcessGroup] = set()
+        self.timeout_s: float | None = None
+
+    def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
+        """The group ubatch `ubatch_id` uses for `base`: its duplicate, else `base` itself.
+
+        With fewer duplicates than ubatches, ubatch i uses duplicate `i % n` (ubatches that
+        share a group are serialized on it, still in the same order on every rank).
+        """
+        duplicates = self._duplicates.get(base)
+        if not duplicates:
+            return base
+        return duplicates[ubatch_id % len(duplicates)]
+
+    def get_or_create(self, base: dist.ProcessGroup, num_ubatches: int) -> tuple[
+        dist.ProcessGroup, ...
+    ]:
+        with self._lock:
+            if base in self._is_duplicate:
+                raise ValueError(
+                    f"group {base.group_name!r} is itself a per-ubatch duplicate; pass the "
+                    "base group (the one you use in model code) to comm.ubatch_groups"
+                )
+            existing = self._duplicates.setdefault(base, [])
+            if len(existing) < num_ubatches:
+                if dbo.enabled():
+                    raise RuntimeError(
+                        f"comm.ubatch_groups(group, {num_ubatches}) would create "
+                        f"{num_ubatches - len(existing)} process group(s) inside an overlap; "
+                        "creating a group is a collective that every rank must call in the "
+                        "same order, so call comm.ubatch_groups on every rank outside "
+                        "dbo.overlap (e.g. right after comm.init_distributed)"
+                    )
+                ranks = dist.get_process_group_ranks(base)
+                world = dist.group.WORLD
+                for index in range(len(existing), num_ubatches):
+                    duplicate = dist.new_group(
+                        ranks=ranks,
+                        backend=str(dist.get_backend(base)),
+                        timeout=None if self.timeout_s is None else timedelta(
+                            seconds=self.timeout_s
+                        ),
+                        use_local_synchronization=base is not world,
+                        group_desc=f"dbo_ubatch{index}_of_{base.group_name}",
+                    )
+                    assert isinstance(duplicate, dist.ProcessGroup), (
+                        "a member rank gets a group back from new_group"
+                    )
+                    existing.append(duplicate)
+                    self._is_duplicate.add(duplicate)
+            return tuple(existing[:num_ubatches])
+
+    def clear(self) -> list[dist.ProcessGroup]:
+        """Forget every duplicate; return them (for the caller to destroy)."""
+        with self._lock:
+            duplicates = [group for groups in self._duplicates.values() for group in groups]
+            self._duplicates.clear()
+            self._is_duplicate.clear()
+            return duplicates
+
+
+_registry = UBatchGroupRegistry()
+
+
+def group_registry() -> UBatchGroupRegistry:
+    """The process-wide registry the collectives consult."""
+    return _registry
+
+
+def ubatch_groups(group: Any = None, num_ubatches: int = 2) -> tuple[dist.ProcessGroup, ...]:
+    """Create (once) and return `num_ubatches` duplicates of `group`, one per ubatch.
+
+    A collective the first time for a given `(group, num_ubatches)`: every rank of
+    `group` must call it, in the same order relative to its other group creations, and
+    outside any overlap (inside one it only returns existing duplicates, else raises
+    RuntimeError). Later calls return the same groups without communicating.
+
+    After this call, `comm`'s collectives on `group` (or on the default group, for
+    `group=None`) run ubatch i's collectives on duplicate `i % num_ubatches` inside an
+    overlap; outside an overlap they keep using `group`. `init_distributed` calls this
+    for the default group.
+
+    Args:
+        group: the base group; None: the default (world) group.
+        num_ubatches: how many duplicates, >= 1 (the ubatch count you overlap with).
+    """
+    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
+        raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+    if num_ubatches < 1:
+        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    return _registry.get_or_create(resolve_group(group), num_ubatches)
+
+
+def destroy_ubatch_groups() -> None:
+    """Destroy every duplicate group and forget them (before destroying the world)."""
+    for duplicate in _registry.clear():
+        if dist.is_initialized():
+            dist.destroy_process_group(duplicate)

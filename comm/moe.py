@@ -1,0 +1,242 @@
+"""Expert-parallel token routing: `dispatch` tokens to the ranks that own their experts,
+`combine` the expert outputs back, weighted, in the original token order.
+
+    recv_x, recv_local_expert_ids, handle = comm.moe.dispatch(x, topk_ids, num_experts)
+    expert_out = run_local_experts(recv_x, recv_local_expert_ids)   # row for row
+    y = comm.moe.combine(expert_out, handle, topk_weights)
+
+Experts are split evenly over the ranks of the group: rank r owns global experts
+`[r * E_local, (r + 1) * E_local)` with `E_local = num_experts // world_size`. Each
+(token, k) pair is one row on the wire: a token goes to the rank of each of its top-k
+experts (twice to a rank that owns two of them). Counts are exchanged first, so uneven
+loads, a rank that receives nothing and a rank with no tokens at all all work.
+
+Both calls are DBO-aware through `comm.all_to_all_single`: inside an overlap each
+all-to-all runs on the ubatch's comm stream and group and yields while in flight
+(`dispatch` yields twice: counts, then rows; `combine` once). Outside an overlap they are
+plain blocking calls. The results do not depend on the overlap: a ubatch gets bitwise
+the same `recv_x` / `y` as the same call made serially on the same ubatch split.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from comm._checks import require_same_device, require_tensor, resolve_group
+from comm.collectives import all_to_all_single
+
+__all__ = ["DispatchHandle", "combine", "dispatch"]
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What `combine` needs to route expert outputs back; returned by `dispatch`.
+
+    Valid for one `combine` on the same ranks (the same ubatch, inside an overlap).
+    """
+
+    group: dist.ProcessGroup
+    """The base group the tokens were dispatched over."""
+    num_tokens: int
+    """T: rows of the `x` given to `dispatch`."""
+    topk: int
+    """K: experts per token."""
+    num_local_experts: int
+    """E_local: experts per rank."""
+    sort_order: torch.Tensor
+    """[T * K] int64: the sent row j is the (token, k) pair `sort_order[j]` (flattened
+    `token * K + k`); pairs are sorted by global expert id (stable)."""
+    send_splits: tuple[int, ...]
+    """Rows sent to each rank (one entry per rank)."""
+    recv_splits: tuple[int, ...]
+    """Rows received from each rank (one entry per rank)."""
+    num_recv_tokens_per_expert: torch.Tensor
+    """[world_size, E_local] int64 on the host: rows received from rank s for local
+    expert e; `recv_x` holds them source-major, expert-minor."""
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """Rows of `recv_x` (and of the `expert_out` that `combine` expects)."""
+        return sum(self.recv_splits)
+
+
+def dispatch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """Send each token to the ranks that own its top-k experts.
+
+    Args:
+        x: [T, H] tokens (any dtype the backend moves; T may be 0).
+        topk_ids: [T, K] integer global expert ids in `[0, num_experts)`, same device as x.
+        num_experts: total experts over the group, divisible by its size.
+        group: the expert-parallel group; None: the default group.
+
+    Returns:
+        recv_x: [R, H], x.dtype, on x's device: the rows this rank's experts must
+            process, grouped by source rank, then by local expert, then in the source's
+            (token, k) order (`handle.num_recv_tokens_per_expert` gives the group sizes).
+        recv_local_expert_ids: [R] int64 in `[0, E_local)`: the local expert of each row.
+        handle: for `combine`.
+
+    Streams: inside an overlap the all-to-alls run on the ubatch's comm stream; the
+    results are ready on its compute stream when `dispatch` returns. On CUDA the split
+    sizes are read on the host (two synchronizations: local counts, received counts).
+
+    Raises TypeError / ValueError (before any communication) for a bad shape, dtype,
+    device, `num_experts` not divisible by the group size, or an expert id out of range.
+    A rank whose check fails raises while the others launch the count exchange: give
+    every rank valid input, or the others wait until the group's timeout.
+    """
+    base = resolve_group(group)
+    x = require_tensor("x", x)
+    topk_ids = require_tensor("topk_ids", topk_ids)
+    world_size = base.size()
+    num_experts = _check_num_experts(num_experts, world_size)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or (
+        topk_ids.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"topk_ids must be an integer tensor (e.g. torch.int64), got {topk_ids.dtype}"
+        )
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids must be [num_tokens, k] with num_tokens = x.shape[0] = {x.shape[0]} "
+            f"and k >= 1, got shape {tuple(topk_ids.shape)}"
+        )
+    require_same_device("x", x, "topk_ids", topk_ids)
+    num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
+    num_local_experts = num_experts // world_size
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    # Out-of-range ids are clamped only so that bincount runs; they raise just below.
+    counts_per_expert = torch.bincount(
+        flat_ids.clamp(0, num_experts - 1), minlength=num_experts
+    )  # [E]
+    counts_per_rank = counts_per_expert.view(world_size, num_local_experts).sum(dim=1)
+    if flat_ids.numel() > 0:
+        # One host read (one synchronization on CUDA) for the range check and the splits.
+        low, high = torch.aminmax(flat_ids)
+        low_value, high_value, *send_splits = torch.cat(
+            [low.view(1), high.view(1), counts_per_rank]
+        ).tolist()
+        if low_value < 0 or high_value >= num_experts:
+            raise ValueError(
+                f"topk_ids must be in [0, num_experts) = [0, {num_experts}), got values in "
+                f"[{low_value}, {high_value}]"
+            )
+    else:
+        send_splits = [0] * world_size
+    sort_order = torch.argsort(flat_ids, stable=True)
+    send_rows = x.index_select(0, torch.div(sort_order, topk, rounding_mode="floor"))
+
+    # Rank r sends counts_per_expert[r * E_local:(r + 1) * E_local] to rank r.
+    recv_counts = torch.empty_like(counts_per_expert)
+    all_to_all_single(recv_counts, counts_per_expert, group=base)
+    recv_counts_host = recv_counts.view(world_size, num_local_experts).cpu()
+    recv_splits = recv_counts_host.sum(dim=1).tolist()
+
+    recv_x = x.new_empty((sum(recv_splits), x.shape[1]))
+    all_to_all_single(recv_x, send_rows, recv_splits, send_splits, group=base)
+    recv_local_expert_ids = torch.repeat_interleave(
+        torch.arange(num_local_experts, device=x.device).repeat(world_size),
+        recv_counts.view(-1),
+        output_size=recv_x.shape[0],
+    )
+    handle = DispatchHandle(
+        group=base,
+        num_tokens=num_tokens,
+        topk=topk,
+        num_local_experts=num_local_experts,
+        sort_order=sort_order,
+        send_splits=tuple(send_splits),
+        recv_splits=tuple(recv_splits),
+        num_recv_tokens_per_expert=recv_counts_host,
+    )
+    return recv_x, recv_local_expert_ids, handle
+
+
+def combine(
+    expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Send expert outputs back and sum them per token: `y[t] = sum_k w[t, k] * out(t, k)`.
+
+    Args:
+        expert_out: [R, H_out], row i the expert output for `recv_x[i]` of the `dispatch`
+            that returned `handle` (R = `handle.num_recv_tokens`; H_out may differ from H).
+        handle: from that `dispatch`.
+        topk_weights: [T, K] floating weights, same device as `expert_out`.
+
+    Returns:
+        y: [T, H_out] in the original token order, dtype of `expert_out` (the weighted sum
+        is computed in the promoted dtype of `expert_out` and `topk_weights`, summing
+        over k in order 0..K-1).
+
+    Streams and overlap: as `dispatch` (one all-to-all, one yield inside an overlap).
+    Raises TypeError / ValueError before any communication for bad shapes or dtypes.
+    """
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(
+            f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}"
+        )
+    expert_out = require_tensor("expert_out", expert_out)
+    topk_weights = require_tensor("topk_weights", topk_weights)
+    if expert_out.ndim != 2 or expert_out.shape[0] != handle.num_recv_tokens:
+        raise ValueError(
+            f"expert_out must be [num_recv_tokens, hidden] with num_recv_tokens = "
+            f"{handle.num_recv_tokens} (the rows dispatch returned), got shape "
+            f"{tuple(expert_out.shape)}"
+        )
+    if topk_weights.shape != (handle.num_tokens, handle.topk):
+        raise ValueError(
+            f"topk_weights must be [num_tokens, k] = [{handle.num_tokens}, {handle.topk}] "
+            f"(the shape of dispatch's topk_ids), got {tuple(topk_weights.shape)}"
+        )
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
+    if handle.sort_order.device != expert_out.device:
+        raise ValueError(
+            f"expert_out is on {expert_out.device} but dispatch ran on "
+            f"{handle.sort_order.device}; keep the expert outputs on the tokens' device"
+        )
+
+    hidden = int(expert_out.shape[1])
+    returned = expert_out.new_empty((handle.num_tokens * handle.topk, hidden))
+    all_to_all_single(
+        returned,
+        expert_out.contiguous(),
+        list(handle.send_splits),
+        list(handle.recv_splits),
+        group=handle.group,
+    )
+    # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
+    per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
+    dtype = torch.promote_types(expert_out.dtype, topk_weights.dtype)
+    weighted = per_pair.view(handle.num_tokens, handle.topk, hidden).to(dtype) * topk_weights.to(
+        dtype
+    ).unsqueeze(-1)
+    return weighted.sum(dim=1).to(expert_out.dtype)
+
+
+def _check_num_experts(num_experts: Any, world_size: int) -> int:
+    try:
+        value = operator.index(num_experts)
+    except TypeError:
+        raise TypeError(f"num_experts must be an int, got {num_experts!r}") from None
+    if isinstance(num_experts, bool) or value < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if value % world_size != 0:
+        raise ValueError(
+            f"num_experts={value} must be divisible by the group size {world_size} (experts "
+            f"are split evenly over the ranks); use a multiple of {world_size}"
+        )
+    return value

@@ -1,0 +1,109 @@
+"""comm.init_distributed / destroy_distributed / ubatch_groups in one process (no spawn)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+import dbo
+from comm.distributed import TORCHRUN_ENV_VARS
+from comm.groups import group_registry
+
+
+@pytest.fixture
+def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in TORCHRUN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    comm.destroy_distributed()
+    yield
+    comm.destroy_distributed()
+
+
+def test_without_torchrun_env_the_error_shows_the_command(no_torchrun_env: None) -> None:
+    with pytest.raises(comm.TorchrunEnvironmentError) as info:
+        comm.init_distributed()
+    message = str(info.value)
+    assert "torchrun --nproc-per-node 2" in message
+    assert "--nnodes" in message
+    assert all(name in message for name in TORCHRUN_ENV_VARS)
+    assert "allow_single_process=True" in message
+    assert isinstance(info.value, RuntimeError)
+    assert not dist.is_initialized()
+
+
+def test_single_process_world_and_idempotence(no_torchrun_env: None) -> None:
+    rank, world_size, device = comm.init_distributed(allow_single_process=True)
+    assert (rank, world_size, device) == (0, 1, torch.device("cpu"))
+    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    assert comm.init_distributed(allow_single_process=True) == (0, 1, device)
+    # Without the environment but already initialized: no error, same answer.
+    assert comm.init_distributed() == (0, 1, device)
+    comm.destroy_distributed()
+    assert not dist.is_initialized()
+    comm.destroy_distributed()  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"timeout_s": 0}, ValueError, "timeout_s must be > 0"),
+        ({"timeout_s": "10"}, TypeError, "timeout_s"),
+        ({"backend": 3}, TypeError, "backend"),
+        ({"backend": "nccl", "device": "cpu"}, ValueError, "needs a CUDA device"),
+        ({"num_ubatch_groups": -1}, ValueError, "num_ubatch_groups"),
+    ],
+)
+def test_bad_arguments(no_torchrun_env: None, kwargs: dict, error: type, text: str) -> None:
+    with pytest.raises(error, match=text):
+        comm.init_distributed(allow_single_process=True, **kwargs)
+    assert not dist.is_initialized()
+
+
+def test_init_inside_an_overlap_is_refused(no_torchrun_env: None) -> None:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        comm.init_distributed(allow_single_process=True)
+        return x
+
+    with pytest.raises(RuntimeError, match="inside dbo.overlap"):
+        dbo.overlap(body)(torch.zeros(2))
+    assert not dist.is_initialized()
+
+
+def test_ubatch_groups_are_created_outside_and_only_looked_up_inside(
+    no_torchrun_env: None,
+) -> None:
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        comm.ubatch_groups()
+    comm.init_distributed(allow_single_process=True)
+    world = dist.group.WORLD
+    assert group_registry().lookup(world, 1) is world  # a world of one gets none
+    groups = comm.ubatch_groups(None, 2)
+    assert len(groups) == 2 and len({id(g) for g in groups}) == 2
+    assert all(dist.get_world_size(g) == 1 for g in groups)
+    assert comm.ubatch_groups(None, 2) == groups  # no new groups
+    assert comm.ubatch_groups(None, 1) == groups[:1]
+    assert [group_registry().lookup(world, u) for u in range(3)] == [
+        groups[0], groups[1], groups[0]
+    ]
+    with pytest.raises(ValueError, match="itself a per-ubatch duplicate"):
+        comm.ubatch_groups(groups[0])
+    with pytest.raises(ValueError, match=">= 1"):
+        comm.ubatch_groups(None, 0)
+
+    seen = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        seen.append(comm.ubatch_groups(None, 2))  # existing: fine inside
+        comm.ubatch_groups(None, 3)  # would create a group: refused
+        return x
+
+    with pytest.raises(RuntimeError, match="outside dbo.overlap"):
+        dbo.overlap(body)(torch.zeros(2))
+    assert seen and seen[0] == groups
+    assert len(comm.ubatch_groups(None, 2)) == 2
+    comm.destroy_distributed()
+    assert group_registry().clear() == [], "destroy_distributed forgets the duplicates"
