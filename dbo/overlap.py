@@ -12,9 +12,14 @@ from typing import Any, TypeVar, overload
 import torch
 
 from dbo._context import current_context
-from dbo._pytree import flatten
 from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout
-from dbo.split import UBatchInputs, batch_size, default_merge, default_split
+from dbo.split import (
+    UBatchInputs,
+    batch_size_of,
+    default_merge,
+    default_split,
+    splittable_leaves,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -100,6 +105,7 @@ def overlap(
     min_batch_size: int | None = None,
     timeout_s: float | None = None,
     device: torch.device | str | int | None = None,
+    decision_group: Any = None,
 ) -> F: ...
 
 
@@ -113,6 +119,7 @@ def overlap(
     min_batch_size: int | None = None,
     timeout_s: float | None = None,
     device: torch.device | str | int | None = None,
+    decision_group: Any = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -125,6 +132,7 @@ def overlap(
     min_batch_size: int | None = None,
     timeout_s: float | None = None,
     device: torch.device | str | int | None = None,
+    decision_group: Any = None,
 ) -> Any:
     """Wrap `fn` so that each call splits its batch into ubatches and overlaps them.
 
@@ -151,10 +159,16 @@ def overlap(
         merge: `merge([out_0, out_1, ...]) -> out`.
         min_batch_size: below this batch size, run inline (overlap loses on small
             batches). In a distributed job every rank must take the same decision, or
-            their collectives mismatch: use the same batch size on every rank.
+            their collectives mismatch and the job hangs: pass `decision_group`, or give
+            every rank the same batch size.
         timeout_s: watchdog; a ubatch holding the baton longer raises
             `OverlapTimeoutError` naming it and showing its stack. None: no watchdog.
         device: where the ubatch streams live; None: the first input tensor's device.
+        decision_group: a `torch.distributed` process group (or
+            `torch.distributed.group.WORLD`) whose ranks decide together: the local batch
+            sizes are all-reduced (MIN) on it, one small collective per call, and every
+            rank overlaps only if every rank's batch passes the thresholds above. Required
+            when ranks may see different batch sizes and `fn` communicates.
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
@@ -175,6 +189,7 @@ def overlap(
             min_batch_size=min_batch_size,
             timeout_s=timeout_s,
             device=resolved_device,
+            decision_group=decision_group,
         )
     if not callable(fn):
         raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
@@ -183,14 +198,20 @@ def overlap(
     def overlapped(*args: Any, **kwargs: Any) -> Any:
         if current_context() is not None:
             return target(*args, **kwargs)  # nested: no ubatches inside a ubatch
-        size = batch_size(args, kwargs) if split is None else _leading_size(args, kwargs)
+        leaves = splittable_leaves(args, kwargs)
+        size = batch_size_of(leaves) if split is None else _leading_size(leaves)
+        if decision_group is not None:
+            size = _smallest_batch_across_ranks(0 if size is None else size, decision_group)
         if size is None or size < num_ubatches or (
             min_batch_size is not None and size < min_batch_size
         ):
             return target(*args, **kwargs)
         parts = (split or default_split)(args, kwargs, num_ubatches)
+        run_device = resolved_device or next(
+            (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
+        )
         with _runner_pool.lease(num_ubatches, resolved_device) as runner:
-            outputs = runner.run(target, parts, timeout_s=timeout_s)
+            outputs = runner.run(target, parts, timeout_s=timeout_s, device=run_device)
         return (merge or default_merge)(outputs)
 
     if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
@@ -201,10 +222,18 @@ def overlap(
     return overlapped
 
 
-def _leading_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+def _smallest_batch_across_ranks(local_size: int, group: Any) -> int:
+    """MIN of every rank's batch size over `group` (blocking; same call on every rank)."""
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = torch.tensor([local_size], dtype=torch.int64, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
+    return int(size.item())
+
+
+def _leading_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
     """dim 0 of the first tensor leaf (with a custom split, inputs may be ragged)."""
-    for tree in (args, kwargs):
-        for leaf in flatten(tree)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1:
-                return int(leaf.shape[0])
-    return None
+    return int(leaves[0][1].shape[0]) if leaves else None

@@ -165,8 +165,12 @@ class UBatchRunner:
         ubatch_inputs: Sequence[tuple[tuple[Any, ...], dict[str, Any]]],
         *,
         timeout_s: float | None = None,
+        device: torch.device | None = None,
     ) -> list[Any]:
         """Run `fn(*args_i, **kwargs_i)` in ubatch thread i; return the outputs in order.
+
+        `device` picks the ubatch streams for this run when the runner has none of its
+        own; by default, the device of the first CUDA tensor in the inputs (else CPU).
 
         Threading: ubatch 0 starts; a ubatch gives the baton to the next live ubatch only
         at a yield point (`dbo.yield_()` and the `yield_and_switch_*` calls) or when `fn`
@@ -206,12 +210,15 @@ class UBatchRunner:
                 raise RuntimeError("this UBatchRunner is closed; create a new one")
             if self._broken is not None:
                 raise RuntimeError(f"this UBatchRunner is unusable: {self._broken}")
-            return self._run_locked(fn, inputs, timeout_s)
+            return self._run_locked(fn, inputs, timeout_s, device)
 
     def _backend_and_streams(
-        self, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]
+        self, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], device: torch.device | None
     ) -> tuple[DeviceBackend, list[UBatchStreams]]:
-        device = self.device if self.device is not None else _first_tensor_device(inputs)
+        if self.device is not None:
+            device = self.device
+        elif device is None:
+            device = _first_tensor_device(inputs)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         cached = self._streams.get(device)
@@ -229,8 +236,9 @@ class UBatchRunner:
         fn: Callable[..., Any],
         inputs: list[tuple[tuple[Any, ...], dict[str, Any]]],
         timeout_s: float | None,
+        device: torch.device | None,
     ) -> list[Any]:
-        backend, streams = self._backend_and_streams(inputs)
+        backend, streams = self._backend_and_streams(inputs, device)
         run = OverlapRun(self.num_ubatches, backend, streams, owner=self)
         settings = _thread_settings.capture()
         caller_stream = backend.current_stream()

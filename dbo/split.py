@@ -21,14 +21,16 @@ UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
 
 
-def _splittable_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
-    _, paths, _ = flatten(args, "args")
-    leaves, _, _ = flatten(args)
-    found = [(p, x) for p, x in zip(paths, leaves) if isinstance(x, torch.Tensor) and x.ndim >= 1]
-    kw_leaves, kw_paths, _ = flatten(kwargs, "kwargs")
-    found += [
-        (p, x) for p, x in zip(kw_paths, kw_leaves) if isinstance(x, torch.Tensor) and x.ndim >= 1
-    ]
+def splittable_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(path, tensor) of every tensor leaf with ndim >= 1, args first."""
+    found = []
+    for tree, root in ((args, "args"), (kwargs, "kwargs")):
+        leaves, paths, _ = flatten(tree, root)
+        found += [
+            (path, leaf)
+            for path, leaf in zip(paths, leaves)
+            if isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
+        ]
     return found
 
 
@@ -37,7 +39,11 @@ def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 
     Raises ValueError naming the argument paths when the sizes differ.
     """
-    leaves = _splittable_leaves(args, kwargs)
+    return batch_size_of(splittable_leaves(args, kwargs))
+
+
+def batch_size_of(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
+    """`batch_size` of already collected `(path, tensor)` leaves."""
     if not leaves:
         return None
     sizes = {x.shape[0] for _, x in leaves}
@@ -48,7 +54,7 @@ def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
             f"differ ({described}); pass split= for ragged inputs, or pass the tensors "
             "that must not be split inside a non-tensor wrapper"
         )
-    return sizes.pop()
+    return int(sizes.pop())
 
 
 def default_split(

@@ -1,0 +1,57 @@
+"""Ranks with different batch sizes take the same overlap-or-inline decision.
+
+Without agreement, a rank that runs inline issues one collective per layer while a rank
+that overlaps issues one per ubatch per layer: the collectives mismatch and the job
+hangs. `dbo.overlap(..., decision_group=...)` all-reduces the batch sizes first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _spawn import expect_ok, run_world
+
+import comm
+import dbo
+
+pytestmark = pytest.mark.distributed
+
+
+def _decide_in_world() -> dict[str, list[object]]:
+    rank, world, _ = comm.init_distributed(timeout_s=30)
+    seen: list[bool] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dbo.enabled())
+        total = torch.tensor([float(x.shape[0])])
+        comm.all_reduce(total)  # one collective per call of `layer`
+        return x + total
+
+    outcomes: dict[str, list[object]] = {}
+    cases = {
+        # name: (batch on rank 0, batch on the others, min_batch_size)
+        "one rank below min_batch_size": (2, 8, 4),
+        "one rank below num_ubatches": (1, 8, None),
+        "every rank large enough": (8, 6, 4),
+    }
+    for name, (batch_rank0, batch_others, min_batch_size) in cases.items():
+        seen.clear()
+        batch = batch_rank0 if rank == 0 else batch_others
+        step = dbo.overlap(
+            layer, min_batch_size=min_batch_size, decision_group=dist.group.WORLD, timeout_s=20
+        )
+        out = step(torch.zeros(batch, 2))
+        outcomes[name] = [list(seen), out.shape[0]]
+    return outcomes
+
+
+@pytest.mark.timeout(90)
+def test_ranks_agree_on_overlap_or_inline() -> None:
+    values = expect_ok(run_world(_decide_in_world, 2, timeout_s=60))
+    for rank, outcome in enumerate(values):
+        assert outcome["one rank below min_batch_size"][0] == [False], (rank, outcome)
+        assert outcome["one rank below num_ubatches"][0] == [False], (rank, outcome)
+        assert outcome["every rank large enough"][0] == [True, True], (rank, outcome)
+        expected_rows = {0: (2, 1, 8), 1: (8, 8, 6)}[rank]
+        assert tuple(o[1] for o in outcome.values()) == expected_rows
