@@ -16,7 +16,7 @@ import logging
 import operator
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,8 +162,9 @@ def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _La
     return _Layout(tuple(items), offset)
 
 
-_Entry = list[tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], int]]
-"""A cached request for one slot: (typed view of the buffer, shape, stride, element offset)."""
+_Entry = list[tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...], int]]
+"""A cached request for one slot, per tensor: (`as_strided` bound to a typed view of the
+buffer, shape, stride, element offset); one call builds the view."""
 
 
 class _Slot:
@@ -280,7 +281,11 @@ class WorkspaceManager:
             WorkspaceLockedError: the request needs more than the locked capacity.
             WorkspaceAllocationError: the device could not allocate the buffer.
         """
-        slot = self._slot_of_caller()
+        ubatch_id = dbo.current_ubatch_id()
+        try:
+            slot = self._slots[ubatch_id]
+        except IndexError:
+            raise self._no_slot_error(ubatch_id) from None
         try:
             entry = slot.entries.get(shapes_and_dtypes)
         except TypeError:  # unhashable request (a list shape): take the slow path
@@ -295,18 +300,14 @@ class WorkspaceManager:
                         break
         if entry is None:
             entry = self._prepare(slot, shapes_and_dtypes)
-        return [typed.as_strided(shape, stride, offset) for typed, shape, stride, offset in entry]
+        return [view(shape, stride, offset) for view, shape, stride, offset in entry]
 
-    def _slot_of_caller(self) -> _Slot:
-        ubatch_id = dbo.current_ubatch_id()
-        try:
-            return self._slots[ubatch_id]
-        except IndexError:
-            raise RuntimeError(
-                f"ubatch {ubatch_id} asked for workspace, but the manager has "
-                f"{len(self._slots)} slot(s); create it with num_ubatches >= "
-                f"{ubatch_id + 1} (init_workspace_manager(device, num_ubatches=...))"
-            ) from None
+    def _no_slot_error(self, ubatch_id: int) -> RuntimeError:
+        return RuntimeError(
+            f"ubatch {ubatch_id} asked for workspace, but the manager has "
+            f"{len(self._slots)} slot(s); create it with num_ubatches >= "
+            f"{ubatch_id + 1} (init_workspace_manager(device, num_ubatches=...))"
+        )
 
     # ------------------------------------------------------------------ slow path
     def _prepare(self, slot: _Slot, requests: tuple[Any, ...]) -> _Entry:
@@ -323,7 +324,7 @@ class WorkspaceManager:
             if layout.total_bytes == 0:
                 # Only empty tensors: nothing to allocate, and no slot to realize.
                 entry = [
-                    (self._empty_of(dtype), shape, stride, 0)
+                    (self._empty_of(dtype).as_strided, shape, stride, 0)
                     for dtype, shape, stride, _ in layout.items
                 ]
             else:
@@ -349,7 +350,7 @@ class WorkspaceManager:
         for dtype, shape, stride, byte_offset in layout.items:
             typed = slot.typed_view(dtype)
             element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
-            entry.append((typed, shape, stride, element_offset))
+            entry.append((typed.as_strided, shape, stride, element_offset))
         return entry
 
     def _empty_of(self, dtype: torch.dtype) -> torch.Tensor:
