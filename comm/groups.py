@@ -26,8 +26,9 @@ condition for using several communicators at once). This holds as long as every 
 runs the same program with the same number of ubatches: `dbo.overlap` runs `fn` inline
 (one ubatch, base group) when a rank's batch has fewer rows than `num_ubatches` or
 `min_batch_size`, so a rank with few or no tokens must not take that path while the
-others overlap (same batch size everywhere, or run the ubatches with a
-`dbo.UBatchRunner`, which always runs every ubatch, empty ones included).
+others overlap: pass `decision_group=` to `dbo.overlap` (all ranks then decide on the
+smallest batch), give every rank the same batch size, or run the ubatches with a
+`dbo.UBatchRunner`, which always runs every ubatch, empty ones included.
 
 The creation rule: `torch.distributed.new_group` is itself a collective. Every rank of
 the base group must call `ubatch_groups(group, n)` the same number of times, in the same

@@ -7,7 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import comm
 import workspace
+from comm.distributed import TORCHRUN_ENV_VARS
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -26,3 +28,14 @@ def fresh_workspace_global() -> Iterator[None]:
     workspace.reset_workspace_manager()
     yield
     workspace.reset_workspace_manager()
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A torch.distributed world of one rank (no torchrun environment), torn down after."""
+    for name in TORCHRUN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    comm.destroy_distributed()
+    comm.init_distributed(allow_single_process=True)
+    yield
+    comm.destroy_distributed()

@@ -3,7 +3,6 @@ DBO protocol (stream moves, one yield per collective, per-ubatch groups) in a wo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,17 +11,6 @@ import torch.distributed as dist
 
 import comm
 import dbo
-from comm.distributed import TORCHRUN_ENV_VARS
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in TORCHRUN_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    comm.destroy_distributed()
-    comm.init_distributed(allow_single_process=True)
-    yield
-    comm.destroy_distributed()
 
 
 def test_collectives_need_an_initialized_world() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,17 +10,6 @@ import torch.distributed as dist
 
 import comm
 import dbo
-from comm.distributed import TORCHRUN_ENV_VARS
-
-
-@pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in TORCHRUN_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
-    comm.destroy_distributed()
-    comm.init_distributed(allow_single_process=True)
-    yield
-    comm.destroy_distributed()
 
 
 def test_dispatch_groups_rows_by_expert_and_combine_weights_them(world_of_one: None) -> None:
