@@ -1,6 +1,7 @@
-"""How much of the communication DBO hides, on an emulated link (one process, CPU).
+"""How much of the communication DBO hides, on an emulated link (one process, CPU or GPU).
 
     .venv/bin/python benchmarks/overlap_efficiency.py [--layers 8] [--rounds 5]
+    .venv/bin/python benchmarks/overlap_efficiency.py --device cuda     # on a GPU
 
 Model: each ubatch runs `--layers` layers; a layer is a compute segment of c ms (torch
 matmuls) followed by a transfer of m ms on one shared `comm.EmulatedLink` (FIFO, no CPU
@@ -13,8 +14,15 @@ the transfer, yields, and waits when the baton comes back.
 1.0 means all the hideable communication was hidden; 0 means none. C is measured in the
 same rounds (the same loop on a zero-latency link), not taken from the nominal c: the
 matmuls' real duration drifts with the machine's load. Rounds interleave compute-only,
-serial and DBO runs; the table shows medians and the measured c. The merge column is the cost of the
-default merge (torch.cat of the outputs) as a fraction of T_dbo, measured separately.
+serial and DBO runs; the table shows medians and the measured c.
+
+On CUDA the compute is larger matmuls on the ubatch's compute stream and a transfer is
+`EmulatedLink`'s sleep kernel on its comm stream; the host only enqueues, and times are
+taken after `torch.cuda.synchronize()`. Transfers on different comm streams can run at
+the same time there (the link is FIFO per stream, not across), so "hidden" may pass 1.
+
+The merge column is the cost of the default merge (torch.cat of the outputs) as a
+fraction of T_dbo, measured separately.
 """
 
 from __future__ import annotations
@@ -29,35 +37,46 @@ import torch
 import dbo
 from comm import EmulatedLink
 
-MATMUL_SIZE = 96
+MATMUL_SIZE = {"cpu": 96, "cuda": 1024}
+"""Square matmul size per device type: small enough that c is made of many of them."""
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def calibrate_matmuls(target_s: float, a: torch.Tensor, b: torch.Tensor) -> int:
     """How many `a @ b` take about `target_s` in this thread."""
     for _ in range(20):
         torch.mm(a, b)
+    synchronize(a.device)
     count = 200
     start = time.perf_counter()
     for _ in range(count):
         torch.mm(a, b)
+    synchronize(a.device)
     per_matmul = (time.perf_counter() - start) / count
     return max(1, round(target_s / per_matmul))
 
 
 def make_layer_loop(
-    num_layers: int, num_matmuls: int, link: EmulatedLink, overlap: bool
+    num_layers: int, num_matmuls: int, link: EmulatedLink, device: torch.device
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
-    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE) / MATMUL_SIZE
+    """The model: per layer, compute then a transfer. The same code runs serially and in
+    an overlap (every dbo call is a no-op outside one)."""
+    size = MATMUL_SIZE[device.type]
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device) / size
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for _ in range(num_layers):
             for _ in range(num_matmuls):
                 torch.mm(a, b)
             x = x + 1
+            dbo.switch_to_comm()
             handle = link.transfer(x)
-            if overlap:
-                dbo.yield_()
+            dbo.yield_and_switch_to_compute()  # the other ubatch computes meanwhile
             x = handle.wait()
         return x
 
@@ -65,35 +84,36 @@ def make_layer_loop(
 
 
 def measure(
-    c_ms: float, m_ms: float, num_ubatches: int, num_layers: int, rounds: int, num_matmuls: int
+    c_ms: float,
+    m_ms: float,
+    num_ubatches: int,
+    num_layers: int,
+    rounds: int,
+    num_matmuls: int,
+    device: torch.device,
 ) -> dict[str, float]:
     link = EmulatedLink(latency_s=m_ms / 1000)
-    compute_only_fn = make_layer_loop(num_layers, num_matmuls, EmulatedLink(0.0), overlap=False)
-    serial_fn = make_layer_loop(num_layers, num_matmuls, link, overlap=False)
-    dbo_fn = dbo.overlap(
-        make_layer_loop(num_layers, num_matmuls, link, overlap=True), num_ubatches=num_ubatches
-    )
-    x = torch.zeros(num_ubatches * 64, 256)
+    compute_only_fn = make_layer_loop(num_layers, num_matmuls, EmulatedLink(0.0), device)
+    serial_fn = make_layer_loop(num_layers, num_matmuls, link, device)
+    dbo_fn = dbo.overlap(serial_fn, num_ubatches=num_ubatches)
+    x = torch.zeros(num_ubatches * 64, 256, device=device)
     parts = torch.tensor_split(x, num_ubatches)
     dbo_fn(x)  # warm up threads
+    synchronize(device)
+
+    def timed(run: Callable[[], object]) -> float:
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        return time.perf_counter() - start
+
     compute_times, serial_times, dbo_times = [], [], []
     for _ in range(rounds):
-        start = time.perf_counter()
-        for part in parts:
-            compute_only_fn(part)
-        compute_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for part in parts:
-            serial_fn(part)
-        serial_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        dbo_fn(x)
-        dbo_times.append(time.perf_counter() - start)
+        compute_times.append(timed(lambda: [compute_only_fn(p) for p in parts]))
+        serial_times.append(timed(lambda: [serial_fn(p) for p in parts]))
+        dbo_times.append(timed(lambda: dbo_fn(x)))
     outputs = [serial_fn(p) for p in parts]
-    start = time.perf_counter()
-    for _ in range(rounds):
-        torch.cat(outputs)
-    merge = (time.perf_counter() - start) / rounds
+    merge = statistics.median(timed(lambda: torch.cat(outputs)) for _ in range(rounds))
     t_serial, t_dbo = statistics.median(serial_times), statistics.median(dbo_times)
     total_c = statistics.median(compute_times)
     c = total_c / (num_layers * num_ubatches)
@@ -115,14 +135,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE)
+    size = MATMUL_SIZE[device.type]
+    a = torch.randn(size, size, device=device)
     matmuls_per_ms = calibrate_matmuls(0.001, a, a) or 1
     configs = [(c, c, 2) for c in (0.25, 0.5, 1.0, 2.0, 4.0)]
     configs += [(1.0, 2.0, 2), (2.0, 1.0, 2), (0.5, 2.0, 2), (2.0, 0.5, 2)]
     configs += [(1.0, 1.0, 3), (1.0, 1.0, 4), (2.0, 2.0, 3), (2.0, 2.0, 4)]
-    print(f"{args.layers} layers per ubatch; c = compute, m = transfer per ubatch per layer")
+    print(
+        f"{device}: {args.layers} layers per ubatch; c = compute, m = transfer per ubatch "
+        "per layer"
+    )
     header = (
         f"{'ubatches':>8} {'c ms':>6} {'real c':>6} {'m ms':>6} {'serial ms':>10} {'dbo ms':>8} "
         f"{'ideal ms':>9} {'speedup':>8} {'hidden':>7} {'merge':>6}"
@@ -130,7 +156,7 @@ def main() -> None:
     print(header)
     for c_ms, m_ms, num_ubatches in configs:
         num_matmuls = max(1, round(c_ms * matmuls_per_ms))
-        r = measure(c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls)
+        r = measure(c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls, device)
         print(
             f"{num_ubatches:>8} {c_ms:>6.2f} {r['c_ms']:>6.2f} {m_ms:>6.2f} "
             f"{r['serial_ms']:>10.2f} "
