@@ -265,12 +265,14 @@ def test_watchdog_names_the_stuck_ubatch_and_shows_its_stack() -> None:
 
 def test_watchdog_does_not_fire_when_the_baton_moves() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(8):
-            time.sleep(0.05)  # each hold is short; the whole run is longer than timeout_s
+        for _ in range(6):
+            time.sleep(0.1)  # each hold is short; the whole run is longer than timeout_s
             dbo.yield_()
         return x
 
-    assert torch.equal(dbo.overlap(fn, timeout_s=0.2)(torch.ones(4)), torch.ones(4))
+    started = time.perf_counter()
+    assert torch.equal(dbo.overlap(fn, timeout_s=0.6)(torch.ones(4)), torch.ones(4))
+    assert time.perf_counter() - started > 0.6  # the run outlived timeout_s
 
 
 # ---------------------------------------------------------------- 6. nesting
