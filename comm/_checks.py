@@ -33,6 +33,11 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
         world = dist.group.WORLD
         assert isinstance(world, dist.ProcessGroup), "an initialized world has a default group"
         return world
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this rank ({dist.get_rank()}) is not a member of the group (new_group returned "
+            "GroupMember.NON_GROUP_MEMBER here); call the collective only on its members"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"

@@ -31,7 +31,8 @@ order in which ranks launch collectives, depend only on the program. Do not bran
 mismatch collectives across ranks.
 
 Arguments are checked on the host before anything is launched (TypeError / ValueError
-naming the values): a bad call raises on the calling rank with no collective pending.
+naming the values): a bad call raises on the calling rank before it launches anything.
+The other ranks, which did launch, wait for it until the group's timeout.
 Consistency *between* ranks (rank a's input split for b equal to b's output split from
 a) cannot be checked locally; `comm.moe.dispatch` exchanges counts so it always holds.
 """
@@ -206,8 +207,11 @@ def all_to_all_single(
     base = resolve_group(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base)
-    if output.ndim == 0:
-        raise ValueError("all_to_all_single needs tensors with a dim 0, got 0-dim tensors")
+    if output.ndim == 0 or input.ndim == 0:
+        raise ValueError(
+            "all_to_all_single needs tensors with a dim 0 (not 0-dim), got shapes "
+            f"{tuple(output.shape)} (output) and {tuple(input.shape)} (input)"
+        )
     if output.shape[1:] != input.shape[1:]:
         raise ValueError(
             f"output and input must have the same row shape (all dims but 0), got "
@@ -248,6 +252,7 @@ def all_reduce(
     async_op = _check_async_op(async_op)
     tensor = require_tensor("tensor", tensor)
     require_reduce_op(op)
+    require_contiguous("tensor", tensor)  # NCCL would only refuse it at launch
     require_backend_device(base, "tensor", tensor)
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:

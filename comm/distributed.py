@@ -134,9 +134,15 @@ def init_distributed(
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
     elif _state.device is None:
+        # A world initialized elsewhere: adopt it, but give the per-ubatch duplicates
+        # (which carry every collective made inside an overlap) this call's timeout, and
+        # make the device current as a fresh initialization would.
         _state.device = _resolve_device(
             device, str(dist.get_backend()), int(os.environ.get("LOCAL_RANK", "0"))
         )
+        if _state.device.type == "cuda":
+            torch.cuda.set_device(_state.device)
+        group_registry().timeout_s = float(timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if not _state.ubatch_groups_done:
         if num_ubatch_groups > 0 and world_size > 1:
@@ -153,7 +159,12 @@ def _init_process_group(
     allow_single_process: bool,
 ) -> None:
     missing = [name for name in TORCHRUN_ENV_VARS if name not in os.environ]
-    if missing and not allow_single_process:
+    present = [name for name in TORCHRUN_ENV_VARS if name in os.environ]
+    # A single rank only when no torchrun variable is set (or the world has one rank): a
+    # partial environment (RANK=1, WORLD_SIZE=2, no MASTER_ADDR) is a launch mistake, and
+    # running it as rank 0 of 1 would silently compute the wrong thing.
+    partial = bool(missing) and bool(present) and os.environ.get("WORLD_SIZE", "1") != "1"
+    if missing and (partial or not allow_single_process):
         raise TorchrunEnvironmentError(_torchrun_hint(missing))
     single = bool(missing)
     rank = 0 if single else _env_int("RANK")

@@ -47,7 +47,11 @@ class TransferHandle:
         makes the current stream wait for the transfer; does not block the host.
         """
         if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+            stream = torch.cuda.current_stream(self._delivered.device)
+            stream.wait_event(self._event)
+            # Allocated on the transfer's stream, read from now on on this one: keep the
+            # caching allocator from handing the memory back to the transfer's stream early.
+            self._delivered.record_stream(stream)
             return self._delivered
         remaining = self._done_at - time.perf_counter()
         if remaining > 0:
@@ -63,9 +67,11 @@ class EmulatedLink:
         bandwidth_bytes_per_s: bytes per second; None means unlimited (latency only).
 
     CPU tensors: the completion time is fixed at launch, so the link needs no thread and
-    no CPU; the delivered tensor is the input itself (no copy). CUDA tensors: a sleep
-    kernel of the transfer's duration, then a copy, on the current stream (in an overlap,
-    switch to the ubatch's comm stream first); the delivered tensor is that copy.
+    no CPU; the delivered tensor is the input itself (no copy); FIFO across all callers.
+    CUDA tensors: a sleep kernel of the transfer's duration, then a copy, on the current
+    stream (in an overlap, switch to the ubatch's comm stream first); the delivered tensor
+    is that copy. FIFO per stream only: transfers on two ubatches' comm streams run at the
+    same time, as if each ubatch had a link of its own.
     """
 
     def __init__(self, latency_s: float, bandwidth_bytes_per_s: float | None = None) -> None:
@@ -98,14 +104,15 @@ class EmulatedLink:
             return TransferHandle(tensor, self._free_at)
 
     def _transfer_cuda(self, tensor: torch.Tensor, duration: float) -> TransferHandle:
-        stream = torch.cuda.current_stream(tensor.device)
         cycles = int(duration * self._cycles_per_second(tensor.device))
-        if cycles > 0:
-            torch.cuda._sleep(cycles)
-        delivered = tensor.clone()
-        tensor.record_stream(stream)
-        event = torch.cuda.Event()
-        event.record(stream)
+        with torch.cuda.device(tensor.device):  # _sleep runs on the current device's stream
+            stream = torch.cuda.current_stream()
+            if cycles > 0:
+                torch.cuda._sleep(cycles)
+            delivered = tensor.clone()
+            tensor.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
         return TransferHandle(delivered, float("nan"), event)
 
     def _cycles_per_second(self, device: torch.device) -> float:

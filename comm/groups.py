@@ -30,9 +30,10 @@ others overlap: pass `decision_group=` to `dbo.overlap` (all ranks then decide o
 smallest batch), give every rank the same batch size, or run the ubatches with a
 `dbo.UBatchRunner`, which always runs every ubatch, empty ones included.
 
-The creation rule: `torch.distributed.new_group` is itself a collective. Every rank of
-the base group must call `ubatch_groups(group, n)` the same number of times, in the same
-order relative to its other group creations, outside any overlap; `init_distributed`
+The creation rule: `torch.distributed.new_group` is itself a collective over the world.
+Every rank of the world must call `ubatch_groups(group, n)` the same number of times, in
+the same order relative to its other group creations, outside any overlap (a non-member
+passes `ranks=`); `init_distributed`
 does it for the default group at start-up. Creating groups lazily from one ubatch thread
 could interleave differently with the other ubatch's collectives on different ranks, so
 inside an overlap `ubatch_groups` only returns groups that already exist and raises
@@ -96,23 +97,36 @@ class UBatchGroupRegistry:
                         "dbo.overlap (e.g. right after comm.init_distributed)"
                     )
                 ranks = dist.get_process_group_ranks(base)
-                world = dist.group.WORLD
                 for index in range(len(existing), num_ubatches):
-                    duplicate = dist.new_group(
-                        ranks=ranks,
-                        backend=str(dist.get_backend(base)),
-                        timeout=None if self.timeout_s is None else timedelta(
-                            seconds=self.timeout_s
-                        ),
-                        use_local_synchronization=base is not world,
-                        group_desc=f"dbo_ubatch{index}_of_{base.group_name}",
-                    )
+                    duplicate = self._new_group(ranks, str(dist.get_backend(base)), index)
                     assert isinstance(duplicate, dist.ProcessGroup), (
                         "a member rank gets a group back from new_group"
                     )
                     existing.append(duplicate)
                     self._is_duplicate.add(duplicate)
             return tuple(existing[:num_ubatches])
+
+    def create_for_non_member(self, ranks: list[int], backend: str, num_ubatches: int) -> None:
+        """The part of the collective group creation a rank outside the base group does."""
+        if dbo.enabled():
+            raise RuntimeError("comm.ubatch_groups must be called outside dbo.overlap")
+        with self._lock:
+            for index in range(num_ubatches):
+                self._new_group(ranks, backend, index)
+
+    def _new_group(self, ranks: list[int], backend: str, index: int) -> Any:
+        # Every rank of the world takes part (use_local_synchronization=False): then the
+        # group's name comes from a counter that every rank advances alike. With local
+        # synchronization the name hashes the number of groups *this* rank belongs to,
+        # which differs between ranks with different group histories: they would
+        # rendezvous under different names and wait until the timeout.
+        return dist.new_group(
+            ranks=ranks,
+            backend=backend,
+            timeout=None if self.timeout_s is None else timedelta(seconds=self.timeout_s),
+            use_local_synchronization=False,
+            group_desc=f"dbo_ubatch{index}",
+        )
 
     def clear(self) -> list[dist.ProcessGroup]:
         """Forget every duplicate; return them (for the caller to destroy)."""
@@ -131,13 +145,18 @@ def group_registry() -> UBatchGroupRegistry:
     return _registry
 
 
-def ubatch_groups(group: Any = None, num_ubatches: int = 2) -> tuple[dist.ProcessGroup, ...]:
+def ubatch_groups(
+    group: Any = None, num_ubatches: int = 2, *, ranks: list[int] | None = None
+) -> tuple[dist.ProcessGroup, ...]:
     """Create (once) and return `num_ubatches` duplicates of `group`, one per ubatch.
 
-    A collective the first time for a given `(group, num_ubatches)`: every rank of
-    `group` must call it, in the same order relative to its other group creations, and
-    outside any overlap (inside one it only returns existing duplicates, else raises
-    RuntimeError). Later calls return the same groups without communicating.
+    A collective over the whole world the first time for a given `(group, num_ubatches)`,
+    like `torch.distributed.new_group`: every rank of the *world* must call it, in the
+    same order relative to its other group creations, and outside any overlap (inside one
+    it only returns existing duplicates, else raises RuntimeError). A rank that is not a
+    member of `group` (it got `GroupMember.NON_GROUP_MEMBER` from `new_group`) calls it
+    with that value and `ranks=` the group's ranks, and gets `()`. Later calls return the
+    same groups without communicating.
 
     After this call, `comm`'s collectives on `group` (or on the default group, for
     `group=None`) run ubatch i's collectives on duplicate `i % num_ubatches` inside an
@@ -152,6 +171,14 @@ def ubatch_groups(group: Any = None, num_ubatches: int = 2) -> tuple[dist.Proces
         raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        if ranks is None:
+            raise ValueError(
+                "this rank is not a member of the group; pass ranks= (the group's ranks, as "
+                "given to new_group) so that it can take part in creating the duplicates"
+            )
+        _registry.create_for_non_member(list(ranks), str(dist.get_backend()), num_ubatches)
+        return ()
     return _registry.get_or_create(resolve_group(group), num_ubatches)
 
 

@@ -14,7 +14,8 @@ loads, a rank that receives nothing and a rank with no tokens at all all work.
 Both calls are DBO-aware through `comm.all_to_all_single`: inside an overlap each
 all-to-all runs on the ubatch's comm stream and group and yields while in flight
 (`dispatch` yields twice: counts, then rows; `combine` once). Outside an overlap they are
-plain blocking calls. The results do not depend on the overlap: a ubatch gets bitwise
+plain blocking calls. Both are differentiable: the gradients take the same all-to-alls
+back (`_ExchangeRows`). The results do not depend on the overlap: a ubatch gets bitwise
 the same `recv_x` / `y` as the same call made serially on the same ubatch split.
 """
 
@@ -144,8 +145,7 @@ def dispatch(
     recv_counts_host = recv_counts.view(world_size, num_local_experts).cpu()
     recv_splits = recv_counts_host.sum(dim=1).tolist()
 
-    recv_x = x.new_empty((sum(recv_splits), x.shape[1]))
-    all_to_all_single(recv_x, send_rows, recv_splits, send_splits, group=base)
+    recv_x = _ExchangeRows.apply(send_rows, tuple(recv_splits), tuple(send_splits), base)
     recv_local_expert_ids = torch.repeat_interleave(
         torch.arange(num_local_experts, device=x.device).repeat(world_size),
         recv_counts.view(-1),
@@ -210,13 +210,8 @@ def combine(
         )
 
     hidden = int(expert_out.shape[1])
-    returned = expert_out.new_empty((handle.num_tokens * handle.topk, hidden))
-    all_to_all_single(
-        returned,
-        expert_out.contiguous(),
-        list(handle.send_splits),
-        list(handle.recv_splits),
-        group=handle.group,
+    returned = _ExchangeRows.apply(
+        expert_out, handle.send_splits, handle.recv_splits, handle.group
     )
     # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
     per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
@@ -225,6 +220,46 @@ def combine(
         dtype
     ).unsqueeze(-1)
     return weighted.sum(dim=1).to(expert_out.dtype)
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """`all_to_all_single` of rows that autograd can differentiate: the gradient of the
+    received rows takes the way back (the same exchange with the splits swapped), so
+    training through `dispatch` / `combine` updates the experts and the layers below.
+
+    The backward runs where autograd runs it (usually outside any overlap: a plain
+    blocking all-to-all); every rank must run its backward, in the same order, as for any
+    collective in a distributed backward pass.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        rows: torch.Tensor,
+        output_splits: tuple[int, ...],
+        input_splits: tuple[int, ...],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+        all_to_all_single(
+            received, rows.contiguous(), list(output_splits), list(input_splits), group=group
+        )
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad_received: torch.Tensor) -> tuple[Any, ...]:
+        output_splits, input_splits = ctx.splits
+        grad_rows = grad_received.new_empty((sum(input_splits), *grad_received.shape[1:]))
+        all_to_all_single(
+            grad_rows,
+            grad_received.contiguous(),
+            list(input_splits),
+            list(output_splits),
+            group=ctx.group,
+        )
+        return grad_rows, None, None, None
 
 
 def _check_num_experts(num_experts: Any, world_size: int) -> int:

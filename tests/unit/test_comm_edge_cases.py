@@ -1,0 +1,121 @@
+"""Review findings for `comm` that one process can show (world of one, gloo).
+
+Each test reproduces a finding of a review (see its docstring) and guards its fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+from comm.distributed import TORCHRUN_ENV_VARS
+
+
+def _moe_layer_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0], [0, 1]])
+    weights = torch.rand(5, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    expert_weight = torch.randn(4, 4, generator=generator, dtype=torch.float64,
+                                requires_grad=True)
+    return x, ids, weights, expert_weight
+
+
+def _dense_reference(x, ids, weights, expert_weight):  # ids: unused, both experts equal
+    # Both experts are the same matmul here, so the MoE output is sum_k w[t,k] * x[t] @ W.
+    return (weights.unsqueeze(-1) * (x @ expert_weight).unsqueeze(1)).sum(dim=1)
+
+
+@pytest.mark.timeout(60)
+def test_combine_does_not_silently_drop_the_expert_gradient(world_of_one: None) -> None:
+    """comm/moe.py:213-227: `combine` copies `expert_out` into a fresh buffer through
+    torch.distributed (no autograd), yet returns a `y` that requires grad (through the
+    weights). `y.backward()` then runs without error but the experts' parameters get no
+    gradient: training silently never updates the experts. It must either propagate the
+    gradient (an autograd.Function with the reverse all-to-all) or refuse."""
+    x, ids, weights, expert_weight = _moe_layer_inputs()
+    recv_x, _, handle = comm.moe.dispatch(x.detach(), ids, 2)
+    expert_out = recv_x @ expert_weight
+    try:
+        y = comm.moe.combine(expert_out, handle, weights)
+    except (RuntimeError, TypeError, ValueError) as error:
+        assert "grad" in str(error)
+        return
+    y.sum().backward()
+    reference_weight = expert_weight.detach().clone().requires_grad_(True)
+    _dense_reference(x.detach(), ids, weights.detach(), reference_weight).sum().backward()
+    assert expert_weight.grad is not None, "the experts got no gradient from combine"
+    assert torch.allclose(expert_weight.grad, reference_weight.grad)
+
+
+@pytest.mark.timeout(60)
+def test_dispatch_does_not_silently_drop_the_token_gradient(world_of_one: None) -> None:
+    """comm/moe.py:147-148: `recv_x` is written by all_to_all_single into `new_empty`, so
+    it is detached from `x`; the MoE branch contributes no gradient to the layers below
+    (only the residual does), silently. Propagate it or refuse an `x` that requires grad."""
+    x, ids, weights, expert_weight = _moe_layer_inputs()
+    try:
+        recv_x, _, handle = comm.moe.dispatch(x, ids, 2)
+    except (RuntimeError, TypeError, ValueError) as error:
+        assert "grad" in str(error)
+        return
+    y = comm.moe.combine(recv_x @ expert_weight.detach(), handle, weights.detach())
+    assert y.requires_grad, "y does not depend on x for autograd"
+    y.sum().backward()
+    reference_x = x.detach().clone().requires_grad_(True)
+    _dense_reference(reference_x, ids, weights.detach(), expert_weight.detach()).sum().backward()
+    assert torch.allclose(x.grad, reference_x.grad)
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_single_with_a_0dim_input_raises_a_clear_value_error(
+    world_of_one: None,
+) -> None:
+    """comm/collectives.py:209-222: only `output.ndim == 0` is checked; a 0-dim `input`
+    with a 1-dim `output` passes the row-shape check (both `shape[1:]` are `()`) and
+    `check_split_sizes` then fails with a bare `IndexError: tuple index out of range`."""
+    with pytest.raises(ValueError, match="0-dim"):
+        comm.all_to_all_single(torch.zeros(1), torch.tensor(1.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_non_member_group_says_not_a_member(world_of_one: None) -> None:
+    """comm/_checks.py:36-46: on a rank outside a group, `dist.new_group` returns
+    `GroupMember.NON_GROUP_MEMBER` (the int -100), so the "not a member of the group"
+    branch is unreachable and the rank gets "group must be a ProcessGroup or None, got
+    int" instead."""
+    with pytest.raises(ValueError, match="not a member"):
+        comm.all_reduce(torch.ones(1), group=dist.GroupMember.NON_GROUP_MEMBER)
+
+
+@pytest.fixture
+def partial_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in TORCHRUN_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    comm.destroy_distributed()
+    # A launcher that sets the rank and world size but not the rendezvous address.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    yield
+    comm.destroy_distributed()
+
+
+@pytest.mark.timeout(60)
+def test_allow_single_process_does_not_ignore_a_world_size_of_two(
+    partial_torchrun_env: None,
+) -> None:
+    """comm/distributed.py:155-161: `single = bool(missing)`: with RANK=1 WORLD_SIZE=2 set
+    but MASTER_ADDR/MASTER_PORT missing, `allow_single_process=True` silently makes this
+    process rank 0 of a world of 1 (each such process then trains alone). It should
+    raise `TorchrunEnvironmentError` naming the missing variables."""
+    try:
+        result = comm.init_distributed(allow_single_process=True)
+    except comm.TorchrunEnvironmentError as error:
+        assert "MASTER_ADDR" in str(error)
+        return
+    pytest.fail(f"RANK=1 WORLD_SIZE=2 in the environment, but init returned {result}")
