@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -85,9 +86,10 @@ class UBatchRunner:
         device: where the ubatches' streams live. None: the device of the first tensor
             in each run's inputs (CPU when there is none).
 
-    The workers start with the runner and live until `close()` (or interpreter exit:
-    they are daemon threads). One run at a time: concurrent `run` calls from several
-    threads are serialized. Use as a context manager to close it.
+    The workers start with the runner and live until `close()`, until the runner is
+    garbage-collected, or until interpreter exit (they are daemon threads). One run at a
+    time: concurrent `run` calls from several threads are serialized. Use as a context
+    manager to close it.
     """
 
     def __init__(self, num_ubatches: int = 2, device: torch.device | str | int | None = None):
@@ -101,6 +103,8 @@ class UBatchRunner:
         self._workers = [
             _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}") for i in range(self.num_ubatches)
         ]
+        # A runner dropped without close() must not leave its threads parked forever.
+        weakref.finalize(self, _stop_all, self._workers)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -372,6 +376,11 @@ class _UBatchJob:
             self.results = self.errors = None  # type: ignore[assignment]
             run.baton.finish(ubatch_id)
             self.run = None  # type: ignore[assignment]
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()
 
 
 def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:

@@ -212,3 +212,18 @@ def test_one_ubatch_runs_without_handoffs() -> None:
         dbo.overlap(lambda x: (dbo.yield_(), x * 2)[1], num_ubatches=1)(torch.ones(3)),
         torch.full((3,), 2.0),
     )
+
+
+def test_a_runner_dropped_without_close_ends_its_threads() -> None:
+    import gc
+    import time
+
+    runner = dbo.UBatchRunner(num_ubatches=2)
+    runner.run(lambda: None, [((), {}), ((), {})])
+    threads = runner.threads
+    del runner
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.is_alive() for t in threads)
