@@ -8,6 +8,7 @@ order. `merge_parts` skips the copy and returns the per-ubatch outputs.
 
 from __future__ import annotations
 
+import bisect
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -217,8 +218,6 @@ def balanced_token_split(
 
 def _requests_touching(starts: list[int], lo: int, hi: int) -> slice:
     """Requests r with tokens in [lo, hi): starts[r] < hi and starts[r + 1] > lo."""
-    import bisect
-
     if hi <= lo:
         first = bisect.bisect_right(starts, lo) - 1
         first = max(0, min(first, len(starts) - 1))
@@ -236,8 +235,6 @@ def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
     boundary nearest to the ideal `k * total / n` when that reaches the optimum (the
     common case, and the most even split), else the greedy split at the optimum.
     """
-    import bisect
-
     counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
     total = starts[-1]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,8 +71,6 @@ def _round_up(num_bytes: int, multiple: int) -> int:
 
 def _caller_outside_package() -> str:
     """`file:line:function` of the innermost frame outside the workspace package."""
-    import sys
-
     frame = sys._getframe(1)
     while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == (
         _PACKAGE_DIR
