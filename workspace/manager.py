@@ -144,6 +144,15 @@ def _normalize_request(index: int, request: Any) -> tuple[tuple[int, ...], torch
     return tuple(dims), dtype
 
 
+def _tuple_form(requests: tuple[Any, ...]) -> Any:
+    """`requests` with list shapes as tuples (the key the slow path caches them under);
+    None when the request is malformed (the slow path then says how)."""
+    try:
+        return tuple((tuple(shape), dtype) for shape, dtype in requests)
+    except (TypeError, ValueError):
+        return None
+
+
 def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Layout:
     items = []
     offset = 0
@@ -287,8 +296,8 @@ class WorkspaceManager:
             raise self._no_slot_error(ubatch_id) from None
         try:
             entry = slot.entries.get(shapes_and_dtypes)
-        except TypeError:  # unhashable request (a list shape): take the slow path
-            entry = None
+        except TypeError:  # unhashable: a list shape; look its tuple form up
+            entry = slot.entries.get(_tuple_form(shapes_and_dtypes))
         if entry is not None:
             # True == 1 and 2.0 == 2 hash alike: a cached int request must not let a bool
             # or float dimension through unchecked. Exact ints only on the fast path.

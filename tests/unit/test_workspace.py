@@ -866,3 +866,24 @@ def test_cuda_peak_is_max_of_old_and_new() -> None:
     assert peak <= before - 64 * MiB + 128 * MiB + 8192, (before, peak)
     (view,) = manager.get_simultaneous(((128 * MiB,), torch.uint8))
     assert view.data_ptr() % ALIGNMENT_BYTES == 0 and view.is_cuda
+
+
+def test_list_shapes_take_the_fast_path_after_the_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manager = WorkspaceManager("cpu")
+    first = manager.get_simultaneous(([4, 8], torch.float32), ([3], torch.int64))
+    prepared: list[object] = []
+    original = manager._prepare
+
+    def counting(*args: Any) -> Any:
+        prepared.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(manager, "_prepare", counting)
+    again = manager.get_simultaneous(([4, 8], torch.float32), ([3], torch.int64))
+    assert prepared == []
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in first]
+    assert again[0].shape == (4, 8) and again[1].shape == (3,)
+    with pytest.raises(TypeError):  # a cached int request never lets a float dim through
+        manager.get_simultaneous(([4.0, 8], torch.float32), ([3], torch.int64))
