@@ -57,10 +57,10 @@ class _Worker:
         self.thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` in the worker (which must be idle)."""
-        assert self._job is None, "a worker runs one job at a time"
+        """Run `job` in the worker. A job left here by an interrupted run was revoked
+        (it does nothing if it ever runs), so it may be replaced."""
         self._job = job
-        self._ready.release()
+        _release_quietly(self._ready)
 
     def stop(self) -> None:
         """End the thread once its current job, if any, returns."""
@@ -249,23 +249,25 @@ class UBatchRunner:
         run.fork_event = backend.record_event(caller_stream)
         results: list[Any] = [None] * self.num_ubatches
         errors: list[BaseException | None] = [None] * self.num_ubatches
-        num_submitted = 0
+        jobs = [
+            _UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
+            for ubatch_id, (args, kwargs) in enumerate(inputs)
+        ]
         self._current_run = run
         try:
-            for ubatch_id, (worker, (args, kwargs)) in enumerate(zip(self._workers, inputs)):
-                worker.submit(
-                    _UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
-                )
-                num_submitted += 1
+            for worker, job in zip(self._workers, jobs):
+                worker.submit(job)
             run.baton.start()
             self._wait(run, timeout_s)
         except BaseException as error:
-            # The watchdog, or an interrupt (KeyboardInterrupt) anywhere above: no worker
-            # may stay parked. Count unsubmitted ubatches as finished, wake everyone, and
+            # The watchdog, or an interrupt (KeyboardInterrupt) anywhere above, even inside
+            # a submit: no worker may stay parked. A job that has not started is revoked
+            # and counted as finished here; the others finish themselves. Wake everyone and
             # give them a moment to unwind; until they do, the runner is unusable.
             self._broken = "an aborted run's ubatch threads have not finished"
-            for ubatch_id in range(num_submitted, self.num_ubatches):
-                run.baton.finish(ubatch_id)
+            for ubatch_id, job in enumerate(jobs):
+                if job.revoke():
+                    run.baton.finish(ubatch_id)
             reason = (
                 "the watchdog fired" if isinstance(error, OverlapTimeoutError)
                 else f"the caller was interrupted ({type(error).__name__})"
@@ -332,7 +334,9 @@ class UBatchRunner:
 class _UBatchJob:
     """What a worker thread does for ubatch `ubatch_id` of one run."""
 
-    __slots__ = ("run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors")
+    __slots__ = (
+        "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim"
+    )
 
     def __init__(
         self,
@@ -348,8 +352,16 @@ class _UBatchJob:
         self.run, self.ubatch_id, self.fn = run, ubatch_id, fn
         self.args, self.kwargs, self.settings = args, kwargs, settings
         self.results, self.errors = results, errors
+        self._claim = _thread.allocate_lock()
+        """Taken once: by the worker when the job starts, or by `revoke`."""
+
+    def revoke(self) -> bool:
+        """Stop the job from ever running; False if it has already started."""
+        return self._claim.acquire(blocking=False)
 
     def __call__(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # revoked by an aborted run, which counted this ubatch as finished
         run, ubatch_id = self.run, self.ubatch_id
         try:
             context = UBatchContext(ubatch_id, run.num_ubatches, run)

@@ -365,3 +365,35 @@ def test_a_cpu_tensor_first_does_not_select_the_cpu_backend() -> None:
     x = torch.ones(4, device="cuda")
     dbo.overlap(fn)(torch.tensor(2.0), x)
     assert all(isinstance(s, torch.cuda.Stream) for s in streams), streams
+
+
+@pytest.mark.timeout(20)
+def test_an_interrupt_inside_submit_leaves_the_runner_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An interrupt between handing a job to a worker and waking it: the job is revoked
+    (it never runs), the run's count of finished ubatches stays right, and the next run
+    works."""
+    from dbo import runner as runner_module
+
+    original = runner_module._Worker.submit
+    calls: list[int] = []
+
+    def interrupted_second_submit(self: object, job: object) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            self._job = job  # type: ignore[attr-defined]
+            raise KeyboardInterrupt
+        original(self, job)  # type: ignore[arg-type]
+
+    ran: list[int] = []
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+        parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
+        monkeypatch.setattr(runner_module._Worker, "submit", interrupted_second_submit)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(lambda x: ran.append(dbo.current_ubatch_id()), parts)
+        monkeypatch.setattr(runner_module._Worker, "submit", original)
+        assert not runner.broken
+        assert 1 not in ran, "the revoked job must never run"
+        out = runner.run(lambda x: x + dbo.current_ubatch_id(), parts, timeout_s=5)
+        assert [o.item() for o in out] == [0.0, 1.0]
