@@ -99,6 +99,7 @@ class UBatchRunner:
         self._closed = False
         self._broken: str | None = None
         self._current_run: OverlapRun | None = None
+        self._aborted_run: OverlapRun | None = None
         self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
         self._workers = [
             _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}") for i in range(self.num_ubatches)
@@ -113,7 +114,8 @@ class UBatchRunner:
 
     @property
     def broken(self) -> bool:
-        """True after a watchdog timeout left a ubatch thread stuck; the runner refuses runs."""
+        """True while a ubatch of an aborted run (watchdog, interrupt) is still running;
+        the runner refuses runs until it returns."""
         return self._broken is not None
 
     @property
@@ -136,11 +138,14 @@ class UBatchRunner:
             if self._closed:
                 return
             self._closed = True
-            run = self._current_run
-            if not acquired and run is not None:
-                run.baton.abort("the runner was closed", wake_all=True)
-            for worker in self._workers:
-                worker.stop()
+            if not acquired:
+                # A run holds the lock: abort it, and let it stop the workers when it ends
+                # (stopping them now could take a worker the run is about to hand a job).
+                run = self._current_run
+                if run is not None:
+                    run.baton.abort("the runner was closed", wake_all=True)
+                return
+            _stop_all(self._workers)
         finally:
             if acquired:
                 self._run_lock.release()
@@ -213,7 +218,14 @@ class UBatchRunner:
             if self._closed:
                 raise RuntimeError("this UBatchRunner is closed; create a new one")
             if self._broken is not None:
-                raise RuntimeError(f"this UBatchRunner is unusable: {self._broken}")
+                aborted = self._aborted_run
+                if aborted is None or not aborted.baton.wait_done(0):
+                    raise RuntimeError(
+                        f"this UBatchRunner is unusable until its aborted run ends: "
+                        f"{self._broken}"
+                    )
+                self._broken = None  # the stuck ubatch has returned: usable again
+                self._aborted_run = None
             return self._run_locked(fn, inputs, timeout_s, device)
 
     def _backend_and_streams(
@@ -254,6 +266,8 @@ class UBatchRunner:
             for ubatch_id, (args, kwargs) in enumerate(inputs)
         ]
         self._current_run = run
+        if self._closed:  # close() gave up on the lock before it could see this run
+            run.baton.abort("the runner was closed", wake_all=True)
         try:
             for worker, job in zip(self._workers, jobs):
                 worker.submit(job)
@@ -277,13 +291,16 @@ class UBatchRunner:
                 self._broken = None
                 self._join_streams(run, caller_stream)
             else:
+                self._aborted_run = run
                 self._broken = (
                     f"ubatch {run.baton.holder} was still running {_ABORT_GRACE_S} s after its "
-                    "overlap was aborted; its thread cannot be reclaimed"
+                    "overlap was aborted"
                 )
             raise
         finally:
             self._current_run = None
+            if self._closed:
+                _stop_all(self._workers)
         self._join_streams(run, caller_stream)
         failure = run.first_failure or _first_failure(errors)
         if failure is not None:
@@ -357,7 +374,13 @@ class _UBatchJob:
 
     def revoke(self) -> bool:
         """Stop the job from ever running; False if it has already started."""
-        return self._claim.acquire(blocking=False)
+        if not self._claim.acquire(blocking=False):
+            return False
+        # It may sit in its worker until the next submit: it must not keep the run (and
+        # through it the runner, the inputs and fn) alive meanwhile.
+        self.run = self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        self.results = self.errors = None  # type: ignore[assignment]
+        return True
 
     def __call__(self) -> None:
         if not self._claim.acquire(blocking=False):
