@@ -17,7 +17,7 @@ from dbo.split import (
     UBatchInputs,
     batch_size_of,
     default_merge,
-    default_split,
+    split_parts,
     splittable_leaves,
 )
 
@@ -206,7 +206,10 @@ def overlap(
             min_batch_size is not None and size < min_batch_size
         ):
             return target(*args, **kwargs)
-        parts = (split or default_split)(args, kwargs, num_ubatches)
+        # The default split's size check already ran above (batch_size_of).
+        parts = split_parts(args, kwargs, num_ubatches) if split is None else split(
+            args, kwargs, num_ubatches
+        )
         run_device = resolved_device or next(
             (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
         )

@@ -71,6 +71,13 @@ def default_split(
     container that holds split tensors is rebuilt per ubatch.
     """
     batch_size(args, kwargs)  # validates that dim-0 sizes agree
+    return split_parts(args, kwargs, num_ubatches)
+
+
+def split_parts(
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
+) -> UBatchInputs:
+    """`default_split` for arguments whose dim-0 sizes are already known to agree."""
     split_args = _split_node(args, num_ubatches) or [args] * num_ubatches
     split_kwargs = _split_node(kwargs, num_ubatches) or [kwargs] * num_ubatches
     return list(zip(split_args, split_kwargs))
