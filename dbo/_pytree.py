@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -41,12 +40,6 @@ class TreeSpec:
 
     def __hash__(self) -> int:
         return hash(self._key())
-
-    @property
-    def num_leaves(self) -> int:
-        if self.kind == "leaf":
-            return 1
-        return sum(child.num_leaves for child in self.children)
 
     def __repr__(self) -> str:
         if self.kind == "leaf":
@@ -149,15 +142,3 @@ def unflatten(spec: TreeSpec, leaves: list[Any]) -> Any:
         return rebuild(node.kind, node.node_type, node.keys, values, node.template)
 
     return build(spec)
-
-
-def iter_leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) pairs of `tree`, depth-first."""
-    leaves, paths, _ = flatten(tree, path)
-    return zip(paths, leaves)
-
-
-def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
-    """The same structure with every leaf replaced by `fn(leaf)`."""
-    leaves, _, spec = flatten(tree)
-    return unflatten(spec, [fn(leaf) for leaf in leaves])

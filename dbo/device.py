@@ -36,9 +36,6 @@ class DeviceBackend(Protocol):
     def wait_event(self, stream: Any, event: Any) -> None:
         """Make future work on `stream` wait for `event` (does not block the host)."""
 
-    def protect(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep the allocator from reusing `tensor`'s memory before `stream`'s use of it."""
-
     def enter_thread(self) -> None:
         """Prepare a worker thread to launch work on this device."""
 
@@ -101,9 +98,6 @@ class CpuBackend:
         if not isinstance(event, CpuEvent):
             raise TypeError(f"{stream!r} cannot wait on {event!r}: not an event of this backend")
 
-    def protect(self, tensor: torch.Tensor, stream: CpuStream) -> None:
-        """Nothing to do: CPU memory is not reused across streams asynchronously."""
-
     def enter_thread(self) -> None:
         """Nothing to do on CPU."""
 
@@ -136,10 +130,6 @@ class CudaBackend:
 
     def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
-
-    def protect(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        if tensor.is_cuda:
-            tensor.record_stream(stream)
 
     def enter_thread(self) -> None:
         # The current device is thread-local: a new thread starts on device 0.
