@@ -178,6 +178,18 @@ def _check_pair(
     return output, input
 
 
+def _require_world_chunks(
+    whole_name: str, whole: torch.Tensor, chunk_name: str, chunk: torch.Tensor, world_size: int
+) -> None:
+    """`whole` must hold one `chunk` per rank (all-gather output, reduce-scatter input)."""
+    if whole.numel() != world_size * chunk.numel():
+        raise ValueError(
+            f"{whole_name} must hold world_size * {chunk_name}.numel() = {world_size} * "
+            f"{chunk.numel()} = {world_size * chunk.numel()} elements, got shape "
+            f"{tuple(whole.shape)} ({whole.numel()} elements)"
+        )
+
+
 def _check_async_op(async_op: Any) -> bool:
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
@@ -280,12 +292,7 @@ def all_gather_into_tensor(
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base)
     world_size = base.size()
-    if output.numel() != world_size * input.numel():
-        raise ValueError(
-            f"output must hold world_size * input.numel() = {world_size} * {input.numel()} "
-            f"= {world_size * input.numel()} elements, got shape {tuple(output.shape)} "
-            f"({output.numel()} elements)"
-        )
+    _require_world_chunks("output", output, "input", input, world_size)
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
         return _all_gather_single(output, input, group=process_group, async_op=launch_async)
@@ -314,12 +321,7 @@ def reduce_scatter_tensor(
     output, input = _check_pair(output, input, base)
     require_reduce_op(op)
     world_size = base.size()
-    if input.numel() != world_size * output.numel():
-        raise ValueError(
-            f"input must hold world_size * output.numel() = {world_size} * {output.numel()} "
-            f"= {world_size * output.numel()} elements, got shape {tuple(input.shape)} "
-            f"({input.numel()} elements)"
-        )
+    _require_world_chunks("input", input, "output", output, world_size)
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
         return _reduce_scatter_single(
