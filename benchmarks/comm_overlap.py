@@ -40,11 +40,13 @@ from run to run on this shared VM; compare columns within one run.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -142,6 +144,9 @@ class Workload:
             xs[u] = outs[u]
         return torch.cat(xs)
 
+    def threads(self, pair: TwoThreads) -> torch.Tensor:
+        return torch.cat(pair.run())
+
     def compute_and_comm_ms(self, rounds: int) -> tuple[float, float]:
         """(c, m): one ubatch's compute and all-to-all for one layer, each alone."""
         part = self.parts[0]
@@ -151,6 +156,59 @@ class Workload:
             rounds,
         )
         return times["c"], times["m"]
+
+
+class TwoThreads:
+    """DBO's schedule with two bare threads and a lock each, no dbo: the floor of any
+    runtime that runs each ubatch in its own OS thread.
+
+    Thread u runs ubatch u's loop; where DBO yields, it releases the other thread's lock
+    and blocks on its own. The threads persist across steps (like dbo's workers) and
+    use one intra-op thread (dbo replays the caller's setting the same way).
+    """
+
+    def __init__(self, work: Workload, groups: tuple[Any, Any]) -> None:
+        self._work, self._groups = work, groups
+        self._turn = [_thread.allocate_lock(), _thread.allocate_lock()]
+        self._start = [_thread.allocate_lock(), _thread.allocate_lock()]
+        self._done = [_thread.allocate_lock(), _thread.allocate_lock()]
+        for lock in (*self._turn, *self._start, *self._done):
+            lock.acquire()
+        self._results: list[Any] = [None, None]
+        self._num_finished = 0
+        for u in (0, 1):
+            threading.Thread(target=self._loop, args=(u,), daemon=True).start()
+
+    def run(self) -> list[torch.Tensor]:
+        self._num_finished = 0
+        for u in (0, 1):
+            self._start[u].release()
+        self._turn[0].release()
+        for u in (0, 1):
+            if not self._done[u].acquire(timeout=30):
+                raise RuntimeError("a benchmark thread did not finish in 30 s")
+        return list(self._results)
+
+    def _loop(self, me: int) -> None:
+        torch.set_num_threads(1)
+        work, turn, other = self._work, self._turn, 1 - me
+        while True:
+            self._start[me].acquire()
+            turn[me].acquire()
+            x = work.parts[me]
+            for _ in range(work.num_layers):
+                x = work.compute(x)
+                out = torch.empty_like(x)
+                handle = dist.all_to_all_single(out, x, group=self._groups[me], async_op=True)
+                turn[other].release()  # the other ubatch runs while this one's data moves
+                turn[me].acquire()
+                handle.wait()
+                x = out
+            self._results[me] = x
+            self._num_finished += 1  # only the thread holding the turn runs here
+            if self._num_finished == 1:
+                turn[other].release()
+            self._done[me].release()
 
 
 def _calibrated(rows: int, target_ratio: float, layers: int, rounds: int) -> Workload:
@@ -226,10 +284,12 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
     for rows, target_ratio in args.configs:
         work = _calibrated(rows, target_ratio, args.layers, args.rounds)
         c, m = work.compute_and_comm_ms(args.rounds)
+        pair = TwoThreads(work, groups)
         modes: dict[str, Callable[[], Any]] = {
             "serial": work.serial,
             "dbo": work.dbo,
             "pipeline": lambda work=work: work.pipeline(groups),
+            "threads": lambda work=work, pair=pair: work.threads(pair),
             "dbo, one group": lambda work=work: work.dbo(shared),
             "pipeline, one group": lambda work=work: work.pipeline((shared, shared)),
         }
@@ -256,25 +316,28 @@ def _print_report(report: dict[str, Any]) -> None:
     for label, first, both in report["in_flight"]:
         print(f"  {label:<47}{first:>11.2f}{both:>11.2f}")
     print(
-        f"\nLayer loop: 2 ubatches x {layers} layers; x = speedup over serial; "
-        "hidden = (serial - T) / (serial - ideal)"
+        f"\nLayer loop: 2 ubatches x {layers} layers; times in ms; x = speedup over serial; "
+        "hidden = (serial - T) / (serial - ideal);\nthreads = the same schedule on two bare "
+        "threads (no dbo); DBO/pipe, DBO/thr = DBO's step time over theirs"
     )
     print(
         f"{'per ubatch':<17}{'c':>6}{'m':>6}{'serial':>8}{'ideal':>7}{'DBO':>7}{'pipe':>7}"
-        f"{'DBO x':>7}{'pipe x':>7}{'DBO hid':>8}{'pipe hid':>9}"
-        f"{'1 group: DBO':>14}{'pipe':>6}"
+        f"{'thr':>7}{'DBO x':>7}{'pipe x':>7}{'thr x':>7}{'DBO hid':>8}{'pipe hid':>9}"
+        f"{'DBO/pipe':>9}{'DBO/thr':>8}{'1 group: DBO':>14}{'pipe':>6}"
     )
     for row in report["rows"]:
         c, m, serial = row["c"], row["m"], row["serial"]
         ideal = max(2 * layers * c, 2 * layers * m) + min(c, m)
+        t_dbo, t_pipe, t_thr = row["dbo"], row["pipeline"], row["threads"]
 
         def hidden(t: float, serial: float = serial, ideal: float = ideal) -> str:
             return f"{(serial - t) / (serial - ideal):.2f}" if serial > ideal else "n/a"
 
         print(
-            f"{row['label']:<17}{c:6.2f}{m:6.2f}{serial:8.1f}{ideal:7.1f}{row['dbo']:7.1f}"
-            f"{row['pipeline']:7.1f}{serial / row['dbo']:7.2f}{serial / row['pipeline']:7.2f}"
-            f"{hidden(row['dbo']):>8}{hidden(row['pipeline']):>9}"
+            f"{row['label']:<17}{c:6.2f}{m:6.2f}{serial:8.1f}{ideal:7.1f}{t_dbo:7.1f}"
+            f"{t_pipe:7.1f}{t_thr:7.1f}{serial / t_dbo:7.2f}{serial / t_pipe:7.2f}"
+            f"{serial / t_thr:7.2f}{hidden(t_dbo):>8}{hidden(t_pipe):>9}"
+            f"{t_dbo / t_pipe:9.2f}{t_dbo / t_thr:8.2f}"
             f"{serial / row['dbo, one group']:>13.2f}x{serial / row['pipeline, one group']:>5.2f}x"
         )
 

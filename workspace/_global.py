@@ -21,6 +21,10 @@ def init_workspace_manager(
 ) -> WorkspaceManager:
     """Create the process-wide manager (idempotent for the same device and slot count).
 
+    `num_ubatches=None` creates a one-slot manager, or returns the existing manager on
+    `device` whatever its slot count (a library module can ask for "the manager" without
+    knowing how many ubatches the application overlaps with).
+
     Raises RuntimeError if a manager with another device or slot count exists: call
     `reset_workspace_manager()` first (no thread may still use the old one).
     """
@@ -29,7 +33,9 @@ def init_workspace_manager(
     with _holder_lock:
         if _manager is None:
             _manager = wanted
-        elif (_manager.device, _manager.num_ubatches) != (wanted.device, wanted.num_ubatches):
+        elif _manager.device != wanted.device or (
+            num_ubatches is not None and _manager.num_ubatches != wanted.num_ubatches
+        ):
             raise RuntimeError(
                 f"a workspace manager already exists ({_manager!r}); call "
                 "reset_workspace_manager() before initializing one with "

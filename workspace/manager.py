@@ -31,6 +31,20 @@ ALIGNMENT_BYTES = 256
 _MAX_CACHED_REQUESTS = 1024
 """Distinct requests remembered per slot; beyond this the cache starts over."""
 
+_MAX_CALL_SITES = 64
+"""Call sites remembered for `stats()`; beyond this the smallest are forgotten (generated
+code, e.g. from torch.compile, can create a new site per recompilation)."""
+
+_MAX_BUFFER_BYTES = 2**63 - 1 - (ALIGNMENT_BYTES - 1)
+"""The largest slot torch can address (sizes are int64), spare alignment bytes included."""
+
+_QUANTIZED_DTYPES = frozenset(
+    getattr(torch, name)
+    for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+)
+"""Views of raw bytes cannot carry a quantizer (scale, zero point)."""
+
 _MB = float(1 << 20)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -82,7 +96,8 @@ def _caller_outside_package() -> str:
 
 
 def _debug_enabled() -> bool:
-    return os.environ.get("DBO_DEBUG_WORKSPACE", "") not in ("", "0")
+    value = os.environ.get("DBO_DEBUG_WORKSPACE", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
 
 
 def _debug_log(message: str, *args: Any) -> None:
@@ -121,7 +136,14 @@ def _normalize_request(index: int, request: Any) -> tuple[tuple[int, ...], torch
             f"workspace request {index}: dtype must be a torch.dtype, got {dtype!r} "
             f"of type {type(dtype).__name__}"
         )
-    if isinstance(shape, (int, torch.SymInt)) or not isinstance(shape, Sequence):
+    if dtype in _QUANTIZED_DTYPES:
+        raise TypeError(
+            f"workspace request {index}: {dtype} is a quantized dtype; a view of raw bytes "
+            "has no quantizer. Ask for its integer storage dtype (e.g. torch.int8) instead"
+        )
+    if isinstance(shape, (int, torch.SymInt, str, bytes, bytearray)) or not isinstance(
+        shape, Sequence
+    ):
         raise TypeError(
             f"workspace request {index}: shape must be a sequence of ints "
             f"(e.g. (4, 8) or torch.Size), got {shape!r}"
@@ -144,13 +166,40 @@ def _normalize_request(index: int, request: Any) -> tuple[tuple[int, ...], torch
     return tuple(dims), dtype
 
 
+_LIST_OR_TUPLE = (list, tuple)
+
+
 def _tuple_form(requests: tuple[Any, ...]) -> Any:
-    """`requests` with list shapes as tuples (the key the slow path caches them under);
-    None when the request is malformed (the slow path then says how)."""
-    try:
-        return tuple((tuple(shape), dtype) for shape, dtype in requests)
-    except (TypeError, ValueError):
-        return None
+    """`requests` with list shapes and list pairs as tuples (the key the slow path caches
+    them under); None for anything else (the slow path then validates it: a dict or a set
+    would otherwise turn into a valid-looking tuple here)."""
+    form = []
+    for request in requests:
+        if type(request) not in _LIST_OR_TUPLE or len(request) != 2:
+            return None
+        shape, dtype = request
+        if not isinstance(shape, _LIST_OR_TUPLE):
+            return None
+        form.append((tuple(shape), dtype))
+    return tuple(form)
+
+
+def _normalized_device(device: torch.device | str | int) -> torch.device:
+    """The one spelling of `device` that tensors report: "cpu" for cpu:N, and "cuda:i"
+    with the current index for a bare "cuda" (so every slot lands on the same GPU, and
+    two spellings of one device compare equal)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"workspace device {device}: CUDA is not available in this process "
+                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use 'cpu'"
+            )
+        if device.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Layout:
@@ -170,9 +219,22 @@ def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _La
     return _Layout(tuple(items), offset)
 
 
-_Entry = list[tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...], int]]
-"""A cached request for one slot, per tensor: (`as_strided` bound to a typed view of the
-buffer, shape, stride, element offset); one call builds the view."""
+class _Entry:
+    """A cached request for one slot: how to cut each view, and the typed views cut from."""
+
+    __slots__ = ("views", "bases")
+
+    def __init__(
+        self,
+        views: list[tuple[Callable[..., torch.Tensor], tuple[int, ...], tuple[int, ...], int]],
+        bases: tuple[torch.Tensor, ...],
+    ) -> None:
+        self.views = views
+        """Per tensor: (`as_strided` bound to a typed view of the buffer, shape, stride,
+        element offset); one call builds the view."""
+        self.bases = bases
+        """The distinct typed views of the buffer that `views` cut from (checked for
+        autograd history on every call, see `_Slot.forget_history`)."""
 
 
 class _Slot:
@@ -199,11 +261,26 @@ class _Slot:
         self.typed.clear()
         self.buffer = None
 
+    def forget_history(self) -> None:
+        """Drop the typed views after one of them joined an autograd graph.
+
+        Writing into a view from a tensor that requires grad (`view.copy_(activation)`)
+        makes the typed view it was cut from part of that graph; views cut from it later
+        would inherit the graph, require grad and keep every old step's graph alive.
+        The typed views are recut from the (uint8, history-free) buffer: same bytes, same
+        data pointers.
+        """
+        self.typed.clear()
+        self.entries.clear()
+
     def typed_view(self, dtype: torch.dtype) -> torch.Tensor:
         assert self.buffer is not None, "slot must be realized before it hands out views"
         view = self.typed.get(dtype)
-        if view is None:
-            view = self.buffer.view(dtype)
+        if view is None or view.requires_grad:  # see forget_history
+            # A dtype view made in inference mode would be an inference tensor, whose
+            # views refuse in-place writes outside inference mode.
+            with torch.inference_mode(False):
+                view = self.buffer.view(dtype)
             self.typed[dtype] = view
         return view
 
@@ -238,7 +315,7 @@ class WorkspaceManager:
             raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
         if num_ubatches < 1:
             raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
-        self._device = torch.device(device)
+        self._device = _normalized_device(device)
         self._slots = tuple(_Slot() for _ in range(num_ubatches))
         self._capacity_bytes = 0
         self._locked = False
@@ -247,7 +324,7 @@ class WorkspaceManager:
         self._num_resizes = 0
         self._num_allocations = 0
         self._call_site_bytes: dict[str, int] = {}
-        self._empty: dict[torch.dtype, torch.Tensor] = {}
+        self._deferred_logs: list[tuple[Any, ...]] = []
 
     # ------------------------------------------------------------------ properties
     @property
@@ -306,9 +383,15 @@ class WorkspaceManager:
                     if type(dim) is not int:
                         entry = None
                         break
+            if entry is not None:
+                for base in entry.bases:
+                    if base.requires_grad:
+                        slot.forget_history()
+                        entry = None
+                        break
         if entry is None:
             entry = self._prepare(slot, shapes_and_dtypes)
-        return [view(shape, stride, offset) for view, shape, stride, offset in entry]
+        return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
 
     def _no_slot_error(self, ubatch_id: int) -> RuntimeError:
         return RuntimeError(
@@ -321,29 +404,44 @@ class WorkspaceManager:
     def _prepare(self, slot: _Slot, requests: tuple[Any, ...]) -> _Entry:
         """Validate a new request, grow or realize the slot if needed, cache the views."""
         normalized = tuple(_normalize_request(i, r) for i, r in enumerate(requests))
-        with self._lock:
-            layout = self._layouts.get(normalized)
-            if layout is None:
-                if len(self._layouts) >= _MAX_CACHED_REQUESTS:
-                    self._layouts.clear()
-                layout = _make_layout(normalized)
-                self._layouts[normalized] = layout
-            entry: _Entry
-            if layout.total_bytes == 0:
-                # Only empty tensors: nothing to allocate, and no slot to realize.
-                entry = [
-                    (self._empty_of(dtype).as_strided, shape, stride, 0)
+        try:
+            with self._lock:
+                return self._prepare_locked(slot, requests, normalized)
+        finally:
+            while self._deferred_logs:
+                _debug_log(*self._deferred_logs.pop(0))
+
+    def _prepare_locked(
+        self, slot: _Slot, requests: tuple[Any, ...], normalized: tuple[Any, ...]
+    ) -> _Entry:
+        """`_prepare` with the lock held."""
+        layout = self._layouts.get(normalized)
+        if layout is None:
+            if len(self._layouts) >= _MAX_CACHED_REQUESTS:
+                self._layouts.clear()
+            layout = _make_layout(normalized)
+            self._layouts[normalized] = layout
+        entry: _Entry
+        if layout.total_bytes == 0:
+            # Only empty tensors: nothing to allocate, and no slot to realize. A fresh
+            # tensor per call (no bytes) so that none can inherit another's autograd
+            # history.
+            entry = _Entry(
+                [
+                    (self._empty_maker(dtype), shape, stride, 0)
                     for dtype, shape, stride, _ in layout.items
-                ]
-            else:
-                entry = self._realized_entry(slot, layout)
-            if len(slot.entries) >= _MAX_CACHED_REQUESTS:
-                slot.entries.clear()
-            try:
-                slot.entries[requests] = entry
-            except TypeError:
-                slot.entries[normalized] = entry
-            return entry
+                ],
+                (),
+            )
+        else:
+            entry = self._realized_entry(slot, layout)
+        if len(slot.entries) >= _MAX_CACHED_REQUESTS:
+            slot.entries.clear()
+        try:
+            slot.entries[requests] = entry
+        except TypeError:
+            slot.entries[normalized] = entry
+        return entry
 
     def _realized_entry(self, slot: _Slot, layout: _Layout) -> _Entry:
         """Grow or realize `slot` for `layout` (lock held); the views' recipe."""
@@ -354,18 +452,24 @@ class WorkspaceManager:
             self._realize(slot, self._capacity_bytes)
         if layout.total_bytes > self._call_site_bytes.get(caller, -1):
             self._call_site_bytes[caller] = layout.total_bytes  # requests that succeeded
-        entry: _Entry = []
+            if len(self._call_site_bytes) > _MAX_CALL_SITES:
+                smallest = min(self._call_site_bytes, key=self._call_site_bytes.__getitem__)
+                del self._call_site_bytes[smallest]
+        views = []
+        bases: dict[torch.dtype, torch.Tensor] = {}
         for dtype, shape, stride, byte_offset in layout.items:
-            typed = slot.typed_view(dtype)
+            typed = bases[dtype] = slot.typed_view(dtype)
             element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
-            entry.append((typed.as_strided, shape, stride, element_offset))
-        return entry
+            views.append((typed.as_strided, shape, stride, element_offset))
+        return _Entry(views, tuple(bases.values()))
 
-    def _empty_of(self, dtype: torch.dtype) -> torch.Tensor:
-        view = self._empty.get(dtype)
-        if view is None:
-            view = self._empty[dtype] = torch.empty((0,), dtype=dtype, device=self._device)
-        return view
+    def _empty_maker(self, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+        device = self._device
+
+        def empty(shape: tuple[int, ...], stride: tuple[int, ...], offset: int) -> torch.Tensor:
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+        return empty
 
     def _grow(self, slot: _Slot, required_bytes: int, caller: str) -> None:
         """Raise the shared capacity to `required_bytes`; realize `slot` now, others lazily."""
@@ -386,17 +490,31 @@ class WorkspaceManager:
                 # here. Emptying its cache sends its next request to the slow path,
                 # which realizes it at the new capacity.
                 other.entries.clear()
-        _debug_log(
+        # Logged once the lock is released (`_prepare`): a logging handler may call stats().
+        self._deferred_logs.append((
             "[workspace] resized from '%s': %.2f MB -> %.2f MB (%d slots, %.2f MB total)",
             caller,
             old_capacity / _MB,
             required_bytes / _MB,
             len(self._slots),
             required_bytes * len(self._slots) / _MB,
-        )
+        ))
 
     def _realize(self, slot: _Slot, num_bytes: int) -> None:
         """Give `slot` a buffer of `num_bytes`; free the old one first."""
+        if num_bytes > _MAX_BUFFER_BYTES:
+            # Checked before anything is dropped: the manager stays as it was.
+            raise WorkspaceAllocationError(
+                f"a workspace slot of {num_bytes} bytes cannot be addressed (torch sizes "
+                f"are int64, at most {_MAX_BUFFER_BYTES} bytes)"
+            )
+        old = slot.buffer
+        if old is not None and old.is_cuda:
+            # Kernels on any ubatch's streams may still read the old buffer; the caching
+            # allocator would hand its block to the next allocation on its own stream at
+            # once. Growth happens during warmup, so a device sync is cheap enough here.
+            torch.cuda.synchronize(old.device)
+        del old
         slot.drop_buffer()
         slot.buffer = self._allocate_aligned(num_bytes)
         self._num_allocations += 1
@@ -418,8 +536,13 @@ class WorkspaceManager:
         return raw[start : start + num_bytes]
 
     def _allocate(self, num_bytes: int) -> torch.Tensor:
-        """The one place that allocates device memory (tests wrap it to watch the peak)."""
-        return torch.empty((num_bytes,), dtype=torch.uint8, device=self._device)
+        """The one place that allocates device memory (tests wrap it to watch the peak).
+
+        Never an inference tensor, even during an `inference_mode` warmup: the buffer
+        outlives it, and views of an inference tensor refuse in-place writes outside it.
+        """
+        with torch.inference_mode(False):
+            return torch.empty((num_bytes,), dtype=torch.uint8, device=self._device)
 
     # ------------------------------------------------------------------ lifecycle
     def lock(self) -> None:
@@ -430,10 +553,16 @@ class WorkspaceManager:
         then on data pointers never change, and a request that needs more than the
         capacity raises `WorkspaceLockedError`.
         """
+        if dbo.enabled():
+            raise RuntimeError(
+                "WorkspaceManager.lock() was called inside an overlap; it reallocates the "
+                "slots under the other ubatches' views. Lock outside dbo.overlap, after warmup"
+            )
         with self._lock:
-            for slot in self._slots:
-                if slot.buffer is None or slot.num_bytes != self._capacity_bytes:
-                    self._realize(slot, self._capacity_bytes)
+            if self._capacity_bytes > 0:  # nothing was ever asked for: nothing to realize
+                for slot in self._slots:
+                    if slot.buffer is None or slot.num_bytes != self._capacity_bytes:
+                        self._realize(slot, self._capacity_bytes)
             self._locked = True
         _debug_log(
             "[workspace] locked at %.2f MB per slot (%d slots, %.2f MB total)",

@@ -541,6 +541,11 @@ BAD_REQUESTS = [
     pytest.param(((4, torch.float32),), TypeError, "shape", id="int-shape"),
     pytest.param((((4,), torch.float32, 1),), TypeError, "pair", id="triple"),
     pytest.param((((0,), torch.uint8), ((3,), None)), TypeError, "request 1", id="dtype-none"),
+    pytest.param(((("", torch.float32)),), TypeError, "shape", id="str-shape"),
+    pytest.param((((b"\x02\x03", torch.float32)),), TypeError, "shape", id="bytes-shape"),
+    pytest.param((({4: None, 8: None}, torch.float32),), TypeError, "shape", id="dict-shape"),
+    pytest.param((((3,), torch.qint8),), TypeError, "quantized", id="quantized-dtype"),
+    pytest.param((((0,), torch.quint8),), TypeError, "quantized", id="quantized-empty"),
 ]
 
 
@@ -748,7 +753,7 @@ def test_debug_env_logs_resize_lock_and_unlock(
     assert messages[2] == "[workspace] unlocked at 12.50 MB per slot"
 
 
-@pytest.mark.parametrize("value", [None, "", "0"])
+@pytest.mark.parametrize("value", [None, "", "0", "false", "False", "no", "off"])
 def test_no_debug_log_without_the_env_var(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str | None
 ) -> None:
@@ -887,3 +892,177 @@ def test_list_shapes_take_the_fast_path_after_the_first_call(
     assert again[0].shape == (4, 8) and again[1].shape == (3,)
     with pytest.raises(TypeError):  # a cached int request never lets a float dim through
         manager.get_simultaneous(([4.0, 8], torch.float32), ([3], torch.int64))
+
+
+# ---------------------------------------------------------------------------- 10. like torch.empty
+def _graph_size(grad_fn: Any) -> int:
+    seen: set[int] = set()
+    stack = [grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
+@pytest.mark.parametrize("shape", [(4,), (0,)])
+def test_a_view_written_from_a_graph_leaves_no_history_in_later_views(
+    shape: tuple[int, ...],
+) -> None:
+    # Scratch memory is used like torch.empty: written in place from an activation that
+    # requires grad. The next step's views must be fresh (no grad_fn), or every step's
+    # graph would hang on to the last one and a second backward would fail.
+    manager = WorkspaceManager("cpu")
+    weight = torch.randn(shape, requires_grad=True)
+    first = None
+    for _ in range(4):
+        (view,) = manager.get_simultaneous((shape, torch.float32))
+        assert not view.requires_grad and view.grad_fn is None and view.is_leaf
+        first = view.data_ptr() if first is None else first
+        assert view.data_ptr() == first  # same bytes: no reallocation to get rid of it
+        view.copy_(weight * 2)
+        assert _graph_size(view.grad_fn) > 0  # the write itself is differentiable
+        view.sum().backward()
+    assert weight.grad is not None and torch.equal(weight.grad, torch.full(shape, 8.0))
+    assert manager.stats().num_allocations == (1 if shape[0] else 0)
+
+
+def test_buffers_allocated_under_inference_mode_are_usable_outside_it() -> None:
+    manager = WorkspaceManager("cpu")
+    with torch.inference_mode():
+        (warm,) = manager.get_simultaneous(((4,), torch.float32))
+        warm.fill_(0.0)
+        manager.lock()
+    (view,) = manager.get_simultaneous(((4,), torch.float32))
+    assert not view.is_inference()
+    view.fill_(1.0)  # an inference tensor would refuse this outside inference mode
+    assert view.sum().item() == 4.0
+
+
+@pytest.mark.parametrize(("given", "expected"), [("cpu:0", "cpu"), (torch.device("cpu", 0), "cpu")])
+def test_device_is_normalized(
+    fresh_workspace_global: None, given: Any, expected: str
+) -> None:
+    manager = WorkspaceManager(given)
+    assert manager.device == torch.device(expected)
+    (view,) = manager.get_simultaneous(((4,), torch.float32))
+    assert view.device == manager.device
+    first = workspace.init_workspace_manager("cpu")
+    assert workspace.init_workspace_manager(given) is first  # the same device
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without usable CUDA")
+def test_cuda_device_without_cuda_is_refused_at_construction() -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        WorkspaceManager("cuda")
+
+
+def test_a_request_too_large_to_address_changes_nothing() -> None:
+    manager = WorkspaceManager("cpu")
+    (before,) = manager.get_simultaneous(((64,), torch.uint8))
+    stats = manager.stats()
+    with pytest.raises(WorkspaceAllocationError, match="bytes"):
+        manager.get_simultaneous(((2**62, 4), torch.uint8))
+    assert manager.stats() == stats
+    (after,) = manager.get_simultaneous(((64,), torch.uint8))
+    assert after.data_ptr() == before.data_ptr()
+
+
+def test_lock_before_any_request_allocates_nothing() -> None:
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    manager.lock()
+    stats = manager.stats()
+    assert stats.num_allocations == 0 and stats.realized_bytes_per_slot == (0, 0)
+    assert manager.get_simultaneous(((0,), torch.float32))[0].numel() == 0
+    with pytest.raises(WorkspaceLockedError):
+        manager.get_simultaneous(((1,), torch.uint8))
+
+
+def test_lock_from_inside_an_overlap_is_refused() -> None:
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    manager.get_simultaneous(((64,), torch.uint8))
+
+    def ubatch() -> None:
+        manager.lock()
+
+    with pytest.raises(RuntimeError, match="outside"):
+        dbo.UBatchRunner(2).run(ubatch, [((), {}), ((), {})], timeout_s=30)
+    assert not manager.is_locked()
+
+
+def test_init_without_a_slot_count_adopts_the_existing_manager(
+    fresh_workspace_global: None,
+) -> None:
+    # A library module asks for "the manager on this device" without knowing how many
+    # ubatches the application overlaps with.
+    manager = workspace.init_workspace_manager("cpu", num_ubatches=2)
+    assert workspace.init_workspace_manager("cpu") is manager
+    with pytest.raises(RuntimeError, match="already exists"):
+        workspace.init_workspace_manager("cpu", num_ubatches=3)
+
+
+def test_call_site_stats_stay_bounded() -> None:
+    # Generated code (FX, torch.compile) can make a new call site per recompilation.
+    manager = WorkspaceManager("cpu")
+    for index in range(300):
+        code = compile("m.get_simultaneous(((n,), torch.uint8))", f"<generated-{index}>", "exec")
+        exec(code, {"m": manager, "n": (index + 1) * ALIGNMENT_BYTES, "torch": torch})
+    top = manager.stats().top_call_sites
+    assert [site.split(":")[0] for site, _ in top][:2] == ["<generated-299>", "<generated-298>"]
+    assert len(manager._call_site_bytes) <= 64
+
+
+def test_a_logging_handler_may_read_stats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
+    manager = WorkspaceManager("cpu")
+    seen: list[int] = []
+
+    class StatsReader(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(manager.stats().capacity_bytes)  # takes the manager's lock
+
+    handler = StatsReader()
+    logger = logging.getLogger("workspace")
+    logger.addHandler(handler)
+    try:
+        done = threading.Event()
+
+        def grow() -> None:
+            manager.get_simultaneous(((MiB,), torch.uint8))
+            done.set()
+
+        thread = threading.Thread(target=grow, daemon=True)
+        thread.start()
+        assert done.wait(JOIN_TIMEOUT_S), "growth deadlocked on a handler reading stats()"
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [MiB]
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        ({4: None, 8: None}, torch.float32),
+        {(4, 8): None, torch.float32: None},
+        [{4, 8}, torch.float32],
+    ],
+    ids=["dict-shape", "dict-request", "set-shape"],
+)
+def test_a_cached_request_does_not_let_other_containers_through(request_: Any) -> None:
+    manager = WorkspaceManager("cpu")
+    manager.get_simultaneous(((4, 8), torch.float32))  # the tuple form is now cached
+    with pytest.raises(TypeError):
+        manager.get_simultaneous(request_)
+
+
+def test_a_new_request_after_a_graph_write_gets_a_fresh_view() -> None:
+    manager = WorkspaceManager("cpu")
+    (view,) = manager.get_simultaneous(((4,), torch.float32))
+    view.copy_(torch.randn(4, requires_grad=True) * 2)
+    small, flag = manager.get_simultaneous(((2,), torch.float32), ((0,), torch.bool))
+    assert not small.requires_grad and small.grad_fn is None
+    assert small.data_ptr() == view.data_ptr()  # within the capacity: the same bytes
