@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from typing import Any
 
 
@@ -30,7 +31,9 @@ class TreeSpec:
         self.node_type = node_type
         self.keys = keys
         self.children = children
-        self.template = template  # a dict subclass instance to copy when rebuilding
+        self.template = template
+        """An instance to copy when rebuilding (dict subclasses, dataclasses that their
+        constructor cannot rebuild)."""
 
     def _key(self) -> tuple[Any, ...]:
         return (self.kind, self.node_type, self.keys, self.children)
@@ -45,7 +48,13 @@ class TreeSpec:
         if self.kind == "leaf":
             return "*"
         name = self.node_type.__name__ if self.node_type is not None else self.kind
-        return f"{name}({', '.join(repr(child) for child in self.children)})"
+        if self.kind == "dict":
+            items = [f"{key!r}: {child!r}" for key, child in zip(self.keys, self.children)]
+        elif self.kind in ("dataclass", "namedtuple"):
+            items = [f"{key}={child!r}" for key, child in zip(self.keys, self.children)]
+        else:
+            items = [repr(child) for child in self.children]
+        return f"{name}({', '.join(items)})"
 
 
 _LEAF = TreeSpec("leaf")
@@ -60,11 +69,52 @@ def _is_structseq(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "n_fields")
 
 
+_init_fields: dict[type, frozenset[str] | None] = {}
+
+
+def _constructor_fields(cls: type) -> frozenset[str] | None:
+    """The `init=True` field names of a dataclass whose constructor takes exactly them
+    (no `InitVar`, no custom parameters); None when the constructor cannot rebuild it."""
+    if cls not in _init_fields:
+        names = frozenset(field.name for field in dataclasses.fields(cls) if field.init)
+        try:
+            parameters = frozenset(inspect.signature(cls).parameters)
+        except (TypeError, ValueError):
+            parameters = None
+        _init_fields[cls] = names if parameters == names else None
+    return _init_fields[cls]
+
+
+def _rebuild_dataclass(
+    node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
+) -> Any:
+    """Call the constructor with the init fields, so that `__post_init__` derives fields
+    from the new contents; then set the other fields that hold new values (split or
+    merged), keeping what `__post_init__` derived for the unchanged ones. A dataclass
+    whose constructor takes other parameters (an `InitVar`) is copied, fields set."""
+    init_names = _constructor_fields(node_type)
+    if init_names is None:
+        rebuilt = copy.copy(template)
+        for key, value in zip(keys, values):
+            object.__setattr__(rebuilt, key, value)  # frozen dataclasses too
+        return rebuilt
+    items = dict(zip(keys, values))
+    rebuilt = node_type(**{key: items[key] for key in init_names if key in items})
+    missing = object()
+    for key, value in items.items():
+        if key in init_names:
+            continue
+        unchanged = template is not None and value is getattr(template, key, missing)
+        if unchanged and hasattr(rebuilt, key):
+            continue
+        object.__setattr__(rebuilt, key, value)
+    return rebuilt
+
+
 def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
     """(kind, type, keys, child values) of a container node, or None for a leaf.
 
-    Dataclasses expose their `init=True` fields: rebuilding calls the constructor, so
-    `__post_init__` recomputes derived fields for the new contents.
+    Dataclasses expose all their fields (see `_rebuild_dataclass`).
     """
     if _is_namedtuple(value):
         return "namedtuple", type(value), tuple(type(value)._fields), list(value)
@@ -76,8 +126,14 @@ def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
         keys = tuple(value.keys())
         return "dict", type(value), keys, [value[key] for key in keys]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(field.name for field in dataclasses.fields(value) if field.init)
-        return "dataclass", type(value), names, [getattr(value, name) for name in names]
+        names = tuple(field.name for field in dataclasses.fields(value))
+        missing = object()
+        values = [getattr(value, name, missing) for name in names]
+        if any(child is missing for child in values):  # an init=False field never set
+            present = [i for i, child in enumerate(values) if child is not missing]
+            names = tuple(names[i] for i in present)
+            values = [values[i] for i in present]
+        return "dataclass", type(value), names, values
     return None
 
 
@@ -93,12 +149,18 @@ def rebuild(
         if node_type is dict:
             return dict(zip(keys, values))
         # A subclass (defaultdict, OrderedDict, ...): keep its type and extra state, and
-        # bypass overridden update() methods (Counter.update adds counts).
+        # bypass overridden update() methods (Counter.update adds counts). Items go in
+        # through the type's own __setitem__, which may keep attributes in step with them
+        # (transformers' ModelOutput); one that refuses falls back to dict's.
         rebuilt = copy.copy(template)
         dict.clear(rebuilt)
-        dict.update(rebuilt, zip(keys, values))
+        for key, value in zip(keys, values):
+            try:
+                rebuilt[key] = value
+            except Exception:  # noqa: BLE001 - a read-only mapping type
+                dict.__setitem__(rebuilt, key, value)
         return rebuilt
-    return node_type(**dict(zip(keys, values)))
+    return _rebuild_dataclass(node_type, keys, values, template)
 
 
 def _child_path(path: str, kind: str, key: Any) -> str:
@@ -123,7 +185,9 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], list[str], TreeSpec]:
             visit(child, _child_path(node_path, kind, key))
             for key, child in zip(keys, values)
         )
-        template = node if kind == "dict" and node_type is not dict else None
+        template = None
+        if kind == "dataclass" or (kind == "dict" and node_type is not dict):
+            template = node
         return TreeSpec(kind, node_type, keys, child_specs, template)
 
     spec = visit(tree, path)

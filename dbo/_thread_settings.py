@@ -3,7 +3,10 @@
 Intra-op thread count, grad mode, inference mode, autocast, the default device
 (`with torch.device(...)`, `torch.set_default_device`) and the current CUDA device are
 all per thread in PyTorch. Not replayed: other torch-function and dispatch modes (e.g.
-FakeTensorMode) and saved-tensor hooks; enter those inside `fn`.
+FakeTensorMode) and saved-tensor hooks; enter those inside `fn`. `torch.func`
+transforms (grad, vmap) cannot cross threads: `dbo.overlap` runs inline under one. The
+profiler records the caller's thread only, unless started with
+`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
 
 A worker that did not copy the settings would, for example, build autograd graphs
 under the caller's `torch.no_grad()`, or run matmuls with the default thread count
@@ -84,4 +87,10 @@ def applied(settings: ThreadSettings) -> Iterator[None]:
             )
         if settings.default_device != torch.get_default_device():
             stack.enter_context(settings.default_device)
-        yield
+        try:
+            yield
+        finally:
+            # `fn` (or a library it calls) may have changed the count: forget what this
+            # thread applied so that the next run sets the caller's count again.
+            if torch.get_num_threads() != _applied.num_threads:
+                _applied.num_threads = None

@@ -151,7 +151,19 @@ def overlap(
     Runs `fn` once on the whole input in the calling thread, with no threads
     (`dbo.enabled()` False), when the batch is smaller than `num_ubatches` or than
     `min_batch_size`, or has no tensor to split. Called inside a ubatch (a nested
-    overlap), it also runs `fn` inline on its whole input: ubatches are not nested.
+    overlap), or under a `torch.func` transform (grad, vmap: ubatch threads cannot see
+    it), it also runs `fn` inline on its whole input. With a custom `merge`, an inline
+    call returns `merge([output])`, so the result has one type whatever the path.
+    The batch size is the common dim 0 of the tensor leaves; with a custom `split`,
+    the largest dim 0 (ragged inputs: metadata per request next to the tokens).
+
+    Merging (the default): outputs must have the same structure in every ubatch (dicts
+    may list their keys in another order). Non-tensor leaves must be equal and are
+    returned once: an int or `torch.Size` computed from the ubatch's rows comes back as
+    ubatch 0's value, so return such values as tensors, or pass `merge=`. A method
+    decorated with `@dbo.overlap` receives `self` as its first argument, which is split
+    like any argument when it is a container of tensors (a dataclass); an `nn.Module`
+    is a leaf. Wrap the bound method instead (`dbo.overlap(obj.method)`).
 
     Args:
         num_ubatches: ubatches per call, an int >= 1.
@@ -195,17 +207,24 @@ def overlap(
         raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
     target = fn
 
+    def inline(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # One part: a custom merge still shapes the result, so callers see one type.
+        output = target(*args, **kwargs)
+        return output if merge is None else merge([output])
+
     def overlapped(*args: Any, **kwargs: Any) -> Any:
-        if current_context() is not None:
-            return target(*args, **kwargs)  # nested: no ubatches inside a ubatch
+        if current_context() is not None or _under_functorch_transform():
+            # Nested: no ubatches inside a ubatch. A torch.func transform (grad, vmap)
+            # lives in this thread's interpreter stack, which ubatch threads do not see.
+            return inline(args, kwargs)
         leaves = splittable_leaves(args, kwargs)
-        size = batch_size_of(leaves) if split is None else _leading_size(leaves)
+        size = batch_size_of(leaves) if split is None else _largest_size(leaves)
         if decision_group is not None:
             size = _smallest_batch_across_ranks(0 if size is None else size, decision_group)
         if size is None or size < num_ubatches or (
             min_batch_size is not None and size < min_batch_size
         ):
-            return target(*args, **kwargs)
+            return inline(args, kwargs)
         # The default split's size check already ran above (batch_size_of).
         parts = split_parts(args, kwargs, num_ubatches) if split is None else split(
             args, kwargs, num_ubatches
@@ -237,6 +256,15 @@ def _smallest_batch_across_ranks(local_size: int, group: Any) -> int:
     return int(size.item())
 
 
-def _leading_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
-    """dim 0 of the first tensor leaf (with a custom split, inputs may be ragged)."""
-    return int(leaves[0][1].shape[0]) if leaves else None
+def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
+    """The largest dim 0 among the tensor leaves: the batch size a custom split works
+    on. Inputs may be ragged (per-request metadata next to the tokens), so dim-0 sizes
+    need not agree, and the tokens are the largest."""
+    return max((int(leaf.shape[0]) for _, leaf in leaves), default=None)
+
+
+def _under_functorch_transform() -> bool:
+    """Whether a torch.func transform (grad, vmap, jvp, ...) is active in this thread."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dbo._pytree import children, flatten, rebuild, unflatten
+from dbo._pytree import TreeSpec, children, flatten, rebuild, unflatten
 
 UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
@@ -118,6 +118,10 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     _, paths, spec = flattened[0]
     for index, (_, _, other_spec) in enumerate(flattened[1:], start=1):
         if other_spec != spec:
+            # Dicts built in another order (keys inserted per branch) still merge.
+            flattened[index] = flatten(_ordered_like(outputs[index], spec), "output")
+            other_spec = flattened[index][2]
+        if other_spec != spec:
             raise ValueError(
                 f"dbo.overlap cannot merge: ubatch 0 returned {spec!r} but ubatch {index} "
                 f"returned {other_spec!r}; return the same structure from every ubatch, or "
@@ -127,11 +131,18 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     for position, path in enumerate(paths):
         values = [leaves[position] for leaves, _, _ in flattened]
         first = values[0]
-        if isinstance(first, torch.Tensor):
-            if first.ndim == 0:
+        if any(isinstance(value, torch.Tensor) for value in values):
+            kinds = [_leaf_kind(value) for value in values]
+            if any(kind != "tensor" for kind in kinds):
+                if all(kind == "0-dim tensor" for kind in kinds):
+                    raise ValueError(
+                        f"dbo.overlap cannot merge {path}: it is a 0-dim tensor in each "
+                        "ubatch; pass merge= to combine it (for example a sum)"
+                    )
                 raise ValueError(
-                    f"dbo.overlap cannot merge {path}: it is a 0-dim tensor in each ubatch; "
-                    "pass merge= to combine it (for example a sum)"
+                    f"dbo.overlap cannot merge {path}: the ubatches returned "
+                    f"{', '.join(kinds)} there; return a tensor with a dim 0 from every "
+                    "ubatch, or pass merge="
                 )
             merged.append(torch.cat(values, dim=0))
         elif all(_same(first, value) for value in values[1:]):
@@ -142,6 +153,28 @@ def default_merge(outputs: Sequence[Any]) -> Any:
                 f"non-tensor values {values!r}; pass merge= to combine them"
             )
     return unflatten(spec, merged)
+
+
+def _leaf_kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "tensor" if value.ndim >= 1 else "0-dim tensor"
+    return type(value).__name__
+
+
+def _ordered_like(tree: Any, spec: TreeSpec) -> Any:
+    """`tree` with each dict's items in the key order of the matching node of `spec`,
+    where both hold the same keys (anything else is left for the caller to report)."""
+    described = children(tree)
+    if described is None or spec.kind != described[0] or spec.node_type is not described[1]:
+        return tree
+    kind, node_type, keys, values = described
+    if kind == "dict" and set(keys) == set(spec.keys) and len(keys) == len(spec.keys):
+        by_key = dict(zip(keys, values))
+        keys, values = spec.keys, [by_key[key] for key in spec.keys]
+    if len(values) != len(spec.children):
+        return tree
+    values = [_ordered_like(value, child) for value, child in zip(values, spec.children)]
+    return rebuild(kind, node_type, keys, values, tree)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -189,7 +222,8 @@ def balanced_token_split(
             boundaries and minimises the largest ubatch's token count.
 
     Returns one `TokenSplit` per ubatch, in order; the token slices tile `[0, total)`.
-    A ubatch may be empty (zero tokens) when there are fewer tokens or requests than ubatches.
+    A ubatch is empty (zero tokens) only when there are fewer tokens (straddling) or fewer
+    requests with tokens (request boundaries) than ubatches.
     """
     if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
         raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
@@ -200,6 +234,13 @@ def balanced_token_split(
             raise ValueError(
                 "num_tokens_per_request must be 1-D, got shape "
                 f"{tuple(num_tokens_per_request.shape)}"
+            )
+        if num_tokens_per_request.dtype.is_floating_point or num_tokens_per_request.dtype in (
+            torch.bool, torch.complex64, torch.complex128
+        ):
+            raise TypeError(
+                "num_tokens_per_request must hold integer counts, got a tensor of "
+                f"{num_tokens_per_request.dtype}; convert it with .long() if that is meant"
             )
         counts = [int(c) for c in num_tokens_per_request.tolist()]
     else:
@@ -239,20 +280,31 @@ def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
 
     The smallest feasible largest-ubatch size comes from a binary search with a greedy
     feasibility pass. The split returned is the one that puts each boundary at the request
-    boundary nearest to the ideal `k * total / n` when that reaches the optimum (the
-    common case, and the most even split), else the greedy split at the optimum.
+    boundary nearest to the ideal `k * total / n` when that reaches the optimum without
+    leaving a ubatch empty (the common case, and the most even split), else a greedy split
+    at the optimum that keeps every ubatch non-empty when there are at least `n`
+    non-empty requests.
     """
     counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
     total = starts[-1]
+    num_nonempty = sum(1 for count in counts if count > 0)
+    fill_all = num_nonempty >= num_ubatches
 
-    def greedy(limit: int) -> list[int] | None:
+    def greedy(limit: int, keep_nonempty: bool = False) -> list[int] | None:
         bounds = [0]
         filled = 0
+        nonempty_left = num_nonempty
         for index, count in enumerate(counts):
-            if filled + count > limit:
+            # With `keep_nonempty`, once the non-empty requests left are no more than the
+            # ubatches after the current one, each of them opens its own ubatch.
+            if filled + count > limit or (
+                keep_nonempty and count > 0 and filled > 0
+                and nonempty_left <= num_ubatches - len(bounds)
+            ):
                 bounds.append(starts[index])
                 filled = 0
             filled += count
+            nonempty_left -= count > 0
         if len(bounds) > num_ubatches:
             return None
         return bounds + [total] * (num_ubatches + 1 - len(bounds))
@@ -272,8 +324,9 @@ def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
         cut = min(candidates, key=lambda c: (abs(c - ideal), c))
         nearest.append(max(cut, nearest[-1]))
     nearest.append(total)
-    if max(b - a for a, b in zip(nearest[:-1], nearest[1:])) <= lo:
+    sizes = [b - a for a, b in zip(nearest[:-1], nearest[1:])]
+    if max(sizes) <= lo and (min(sizes) > 0 or not fill_all):
         return nearest
-    bounds = greedy(lo)
+    bounds = greedy(lo, keep_nonempty=fill_all)
     assert bounds is not None, "the binary search ends on a feasible limit"
     return bounds

@@ -321,8 +321,8 @@ class _Batch:
 
 
 def test_dataclass_fields_derived_in_post_init_match_the_ubatch() -> None:
-    """Dataclasses are rebuilt with copy.copy + setattr, bypassing __init__/__post_init__:
-    a derived (init=False) field keeps the whole batch's value in every ubatch."""
+    """Dataclasses are rebuilt through their constructor, so a field derived in
+    __post_init__ (init=False) matches the ubatch's part, not the whole batch."""
     seen: list[tuple[int, int]] = []
 
     def fn(batch: _Batch) -> torch.Tensor:

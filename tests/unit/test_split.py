@@ -69,6 +69,19 @@ def test_request_boundary_split_minimises_the_largest_ubatch(num_ubatches: int) 
         ranges = [s.request_slice for s in splits if s.request_slice.start < s.request_slice.stop]
         for a, b in zip(ranges, ranges[1:]):
             assert a.stop <= b.start, "no request appears in two ubatches"
+        if sum(1 for count in counts if count > 0) >= num_ubatches:
+            assert min(sizes) > 0, f"{counts} into {num_ubatches}: {sizes} leaves one empty"
+
+
+@pytest.mark.parametrize(
+    ("counts", "num_ubatches", "expected"),
+    [([6, 5, 1], 3, [6, 5, 1]), ([10, 1, 1, 1], 3, [10, 2, 1]), ([3, 0, 0, 3], 2, [3, 3])],
+)
+def test_request_boundary_split_leaves_no_ubatch_empty_when_it_can(
+    counts: list[int], num_ubatches: int, expected: list[int]
+) -> None:
+    splits = dbo.balanced_token_split(counts, num_ubatches, allow_straddle=False)
+    assert [s.token_slice.stop - s.token_slice.start for s in splits] == expected
 
 
 def test_token_split_accepts_tensors_and_rejects_bad_input() -> None:
@@ -82,6 +95,10 @@ def test_token_split_accepts_tensors_and_rejects_bad_input() -> None:
         dbo.balanced_token_split([3], "2")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         dbo.balanced_token_split([3.5], 2)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="integer counts"):
+        dbo.balanced_token_split(torch.tensor([2.7, 1.9]), 2)  # not truncated to [2, 1]
+    with pytest.raises(TypeError, match="integer counts"):
+        dbo.balanced_token_split(torch.tensor([True, False]), 2)
 
 
 def test_default_split_matches_tensor_split_and_shares_memory() -> None:

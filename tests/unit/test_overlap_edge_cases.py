@@ -1,0 +1,194 @@
+"""`dbo.overlap` against calling the function directly, on inputs and outputs that are
+easy to get wrong: containers with extra state, outputs that differ between ubatches,
+torch settings a ubatch changes, transforms, custom split and merge on the inline path."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import dbo
+
+TIMEOUT_S = 30.0
+
+
+def _overlap(fn: Any, **options: Any) -> Any:
+    return dbo.overlap(fn, timeout_s=TIMEOUT_S, **options)
+
+
+# ---------------------------------------------------------------------------- containers
+class AttributeMirroringDict(collections.OrderedDict):  # type: ignore[type-arg]
+    """Like transformers' ModelOutput: every item is also an attribute."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+def test_a_dict_subclass_that_mirrors_items_as_attributes_is_rebuilt_through_setitem() -> None:
+    def fn(batch: AttributeMirroringDict) -> AttributeMirroringDict:
+        seen.append(tuple(batch.ids.shape))  # type: ignore[attr-defined]
+        out = AttributeMirroringDict()
+        out["logits"] = batch["ids"] * 2
+        return out
+
+    seen: list[tuple[int, ...]] = []
+    batch = AttributeMirroringDict()
+    batch["ids"] = torch.arange(6.0).reshape(6, 1)
+    out = _overlap(fn)(batch)
+    assert seen == [(3, 1), (3, 1)]  # the attribute is the ubatch's part, like the item
+    assert torch.equal(out.logits, out["logits"]) and out.logits.shape == (6, 1)
+
+
+@dataclasses.dataclass
+class WithDerivedField:
+    logits: torch.Tensor
+    aux: torch.Tensor = dataclasses.field(init=False)
+
+
+@dataclasses.dataclass
+class WithInitVar:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float]
+
+    def __post_init__(self, scale: float) -> None:
+        self.x = self.x * scale
+
+
+def test_dataclass_fields_outside_init_are_split_and_merged() -> None:
+    def fn(x: torch.Tensor) -> WithDerivedField:
+        out = WithDerivedField(x * 2)
+        out.aux = x + 1
+        return out
+
+    x = torch.arange(4.0)
+    out = _overlap(fn)(x)
+    assert torch.equal(out.logits, x * 2) and torch.equal(out.aux, x + 1)
+
+
+def test_a_dataclass_with_an_init_var_is_rebuilt_without_its_constructor() -> None:
+    batch = WithInitVar(torch.arange(4.0), 2.0)
+    assert torch.equal(_overlap(lambda b: b.x)(batch), batch.x)
+
+
+def test_dicts_with_the_same_keys_in_another_order_merge() -> None:
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if dbo.current_ubatch_id() == 0:
+            return {"a": x, "b": x + 1}
+        return {"b": x + 1, "a": x}
+
+    x = torch.arange(4.0)
+    out = _overlap(fn)(x)
+    assert list(out) == ["a", "b"]
+    assert torch.equal(out["a"], x) and torch.equal(out["b"], x + 1)
+
+
+def test_a_structure_mismatch_names_the_keys() -> None:
+    def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"a": x} if dbo.current_ubatch_id() == 0 else {"b": x}
+
+    with pytest.raises(ValueError, match="'a'.*'b'"):
+        _overlap(fn)(torch.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: (x, None) if dbo.current_ubatch_id() == 0 else (None, x),
+        lambda x: x if dbo.current_ubatch_id() == 0 else x.sum(),
+        lambda x: x if dbo.current_ubatch_id() == 0 else 3,
+    ],
+    ids=["tensor-vs-none", "tensor-vs-0-dim", "tensor-vs-int"],
+)
+def test_leaves_of_different_kinds_raise_value_error_naming_the_leaf(fn: Any) -> None:
+    with pytest.raises(ValueError, match="output"):
+        _overlap(fn)(torch.arange(4.0))
+
+
+# ---------------------------------------------------------------------------- settings
+def test_a_thread_count_changed_inside_fn_does_not_leak_into_the_next_run() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            torch.set_num_threads(1)  # e.g. a library call inside the model
+            return x
+
+        _overlap(fn)(torch.zeros(4))
+        _overlap(fn)(torch.zeros(4))
+        assert seen == [2, 2, 2, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_torch_func_transforms_run_inline_and_stay_correct() -> None:
+    calls: list[bool] = []
+
+    def square(u: torch.Tensor) -> torch.Tensor:
+        calls.append(dbo.enabled())
+        return u * u
+
+    x = torch.arange(1.0, 5.0)
+    grad = torch.func.grad(lambda t: _overlap(square)(t).sum())(x)
+    assert torch.equal(grad, 2 * x)
+    assert calls == [False]  # inline: ubatch threads cannot see the transform
+    batched = torch.func.vmap(_overlap(square))(x.reshape(2, 2))
+    assert torch.equal(batched, (x * x).reshape(2, 2))
+
+
+# ---------------------------------------------------------------------------- inline paths
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_custom_merge_also_runs_on_the_inline_path(rows: int) -> None:
+    step = _overlap(lambda x: x * 2, merge=dbo.merge_parts)
+    out = step(torch.ones(rows, 3))
+    assert isinstance(out, list)
+    assert torch.equal(torch.cat(out), torch.full((rows, 3), 2.0))
+
+
+def test_a_nested_overlap_with_a_custom_merge_returns_the_merged_form() -> None:
+    inner = _overlap(lambda x: x + 1, merge=dbo.merge_parts)
+    out = _overlap(lambda x: torch.cat(inner(x)))(torch.zeros(4, 2))
+    assert torch.equal(out, torch.ones(4, 2))
+
+
+def test_a_custom_split_decides_on_the_largest_tensor_not_the_first() -> None:
+    # Ragged batches put per-request metadata (here one request of 10 tokens) next to
+    # the tokens; the batch is the tokens.
+    def split(args: tuple[Any, ...], kwargs: dict[str, Any], n: int) -> list[Any]:
+        lengths, tokens = args
+        return [
+            ((lengths, tokens[part.token_slice]), {})
+            for part in dbo.balanced_token_split(lengths, n)
+        ]
+
+    enabled: list[bool] = []
+
+    def fn(lengths: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        enabled.append(dbo.enabled())
+        return tokens * 2
+
+    tokens = torch.arange(10.0)
+    out = _overlap(fn, split=split)(torch.tensor([10]), tokens)
+    assert enabled == [True, True]
+    assert torch.equal(out, tokens * 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsCounted:
+    x: torch.Tensor
+    num_rows: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_rows", int(self.x.shape[0]))
+
+
+def test_a_field_derived_in_post_init_matches_the_merged_output() -> None:
+    out = _overlap(lambda x: RowsCounted(x * 2))(torch.ones(6, 1))
+    assert out.num_rows == 6 and out.x.shape == (6, 1)
