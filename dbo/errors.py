@@ -28,7 +28,9 @@ class OverlapTimeoutError(RuntimeError):
 def attach_ubatch_id(error: BaseException, ubatch_id: int, num_ubatches: int) -> None:
     """Record on `error` which ubatch raised it: a note, and a `ubatch_id` attribute."""
     note = f"raised in ubatch {ubatch_id} of {num_ubatches} (dbo overlap)"
-    if hasattr(error, "add_note"):
+    if note in getattr(error, "__notes__", ()):
+        pass  # the same exception object raised again by a later call: one note is enough
+    elif hasattr(error, "add_note"):
         error.add_note(note)
     else:  # Python 3.10: same attribute that add_note fills in
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ order. `merge_parts` skips the copy and returns the per-ubatch outputs.
 from __future__ import annotations
 
 import bisect
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,6 +145,14 @@ def default_merge(outputs: Sequence[Any]) -> Any:
                     f"{', '.join(kinds)} there; return a tensor with a dim 0 from every "
                     "ubatch, or pass merge="
                 )
+            if any(value is first for value in values[1:]):
+                # A weight or a global buffer returned by every ubatch: concatenating the
+                # same rows n times is never what the caller meant.
+                raise ValueError(
+                    f"dbo.overlap cannot merge {path}: every ubatch returned the same tensor "
+                    "object (not rows of its own part); return it outside the overlapped "
+                    "function, or pass merge="
+                )
             merged.append(torch.cat(values, dim=0))
         elif all(_same(first, value) for value in values[1:]):
             merged.append(first)
@@ -180,6 +189,8 @@ def _ordered_like(tree: Any, spec: TreeSpec) -> Any:
 def _same(a: Any, b: Any) -> bool:
     if a is b:
         return True
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True  # a NaN loss or metric from every ubatch is one value
     try:
         return bool(a == b)
     except Exception:

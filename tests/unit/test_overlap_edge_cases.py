@@ -192,3 +192,27 @@ class RowsCounted:
 def test_a_field_derived_in_post_init_matches_the_merged_output() -> None:
     out = _overlap(lambda x: RowsCounted(x * 2))(torch.ones(6, 1))
     assert out.num_rows == 6 and out.x.shape == (6, 1)
+
+
+def test_the_same_tensor_object_from_every_ubatch_is_refused() -> None:
+    weight = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="same tensor object"):
+        _overlap(lambda x: (x, weight))(torch.zeros(4))
+
+
+def test_nan_floats_from_every_ubatch_merge_as_one_value() -> None:
+    out = _overlap(lambda x: (x, float("nan")))(torch.zeros(4))
+    assert out[0].shape == (4,) and out[1] != out[1]
+
+
+def test_an_exception_raised_again_gets_its_ubatch_note_once() -> None:
+    error = KeyError("missing")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        raise error
+
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            _overlap(fn)(torch.zeros(4))
+    notes = [note for note in error.__notes__ if "raised in ubatch" in note]
+    assert notes == ["raised in ubatch 0 of 2 (dbo overlap)"]
