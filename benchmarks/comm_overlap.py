@@ -10,7 +10,8 @@ ubatches run three ways:
 - serial:   ubatch 0's loop, then ubatch 1's (blocking collectives, no overlap);
 - DBO:      `dbo.overlap(loop)(x)` with `comm.all_to_all_single` (per-ubatch groups);
 - pipeline: one thread, by hand: launch ubatch u's all-to-all async, compute the other
-            ubatch, wait; the schedule DBO reaches without rewriting the loop.
+            ubatch, wait; the schedule DBO reaches without rewriting the loop;
+- threads:  DBO's schedule on two bare threads passing a lock, without dbo.
 ("one group": the same, with both ubatches' collectives on one process group.)
 
 Printed per row: c and m (one ubatch's compute and all-to-all per layer, each measured
@@ -30,12 +31,13 @@ the larger all-to-alls cannot be hidden behind compute and the ceiling is below 
 
 What it showed on the project's 2-core VM: with both ubatches overlapped, each rank's
 core is ~100% busy (process CPU time ~= wall time), so every microsecond of overhead is
-step time. DBO then trails the hand-written pipeline by ~5-15%: the runtime's fixed cost
-per `dbo.overlap` call (~0.25 ms idle, up to ~0.9 ms under this load: worker wake-ups,
-split/merge) and ~2 extra context switches per baton handoff (~30 us of CPU each here)
-against ~10 us per collective for `comm` itself (a `UBatchRunner` with `comm` runs as
-fast as the same loop with raw `dist` calls and `dbo.yield_()`). Results vary by +-10%
-from run to run on this shared VM; compare columns within one run.
+step time. DBO trails the hand-written pipeline by 2-23%. The "threads" column (the
+same schedule on two bare threads, no dbo) trails it by up to ~11%: that part is the
+cost of running each ubatch in its own OS thread (~2 context switches per handoff, each
+~10-20 us of CPU here). DBO trails the bare threads by 1-14%: the `dbo.overlap` call's
+fixed cost (split, runner lease, settings replay, merge: ~0.2 ms idle, more under load)
+and `comm`'s checks and stream bookkeeping per collective. Results vary by +-10% from
+run to run on this shared VM; compare columns within one run.
 """
 
 from __future__ import annotations
