@@ -1,4 +1,5 @@
-"""A small pytree: tuples, lists, dicts, namedtuples and dataclasses, with readable paths.
+"""A small pytree: tuples, lists (and list subclasses), dicts (and dict subclasses,
+`UserDict`s), namedtuples, struct sequences and dataclasses, with readable paths.
 
 The runtime needs four things from a nested argument structure: its leaves with a path
 for error messages ("args[0]", "kwargs['mask']", "out.logits"), a structure that can be
@@ -8,6 +9,7 @@ strings are leaves.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -122,9 +124,14 @@ def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
         return "structseq", type(value), tuple(range(len(value))), list(value)
     if type(value) in (tuple, list):
         return type(value).__name__, type(value), tuple(range(len(value))), list(value)
+    if isinstance(value, list):  # a subclass: rebuilt from a copy (its constructor may differ)
+        return "list subclass", type(value), tuple(range(len(value))), list(value)
     if isinstance(value, dict):
         keys = tuple(value.keys())
         return "dict", type(value), keys, [value[key] for key in keys]
+    if isinstance(value, collections.UserDict):  # e.g. transformers' BatchEncoding
+        keys = tuple(value.data.keys())
+        return "dict", type(value), keys, [value.data[key] for key in keys]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         names = tuple(field.name for field in dataclasses.fields(value))
         missing = object()
@@ -145,6 +152,11 @@ def rebuild(
         return node_type(*values)
     if kind in ("tuple", "list", "structseq"):
         return node_type(values)
+    if kind == "list subclass":
+        rebuilt = copy.copy(template)
+        list.clear(rebuilt)
+        list.extend(rebuilt, values)  # bypass overridden methods, like dict's below
+        return rebuilt
     if kind == "dict":
         if node_type is dict:
             return dict(zip(keys, values))
@@ -153,6 +165,11 @@ def rebuild(
         # through the type's own __setitem__, which may keep attributes in step with them
         # (transformers' ModelOutput); one that refuses falls back to dict's.
         rebuilt = copy.copy(template)
+        if isinstance(rebuilt, collections.UserDict):
+            rebuilt.data = {}  # copy.copy shares nothing, but start from no items
+            for key, value in zip(keys, values):
+                rebuilt[key] = value
+            return rebuilt
         dict.clear(rebuilt)
         for key, value in zip(keys, values):
             try:
@@ -186,7 +203,7 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], list[str], TreeSpec]:
             for key, child in zip(keys, values)
         )
         template = None
-        if kind == "dataclass" or (kind == "dict" and node_type is not dict):
+        if kind in ("dataclass", "list subclass") or (kind == "dict" and node_type is not dict):
             template = node
         return TreeSpec(kind, node_type, keys, child_specs, template)
 

@@ -1,6 +1,7 @@
 """The caller's thread-local torch settings, replayed in the ubatch worker threads.
 
-Intra-op thread count, grad mode, inference mode, autocast, the default device
+Intra-op thread count, grad mode, inference mode, autocast (cpu, cuda, xpu, mps, hpu
+and the privateuse1 backend), the default device
 (`with torch.device(...)`, `torch.set_default_device`) and the current CUDA device are
 all per thread in PyTorch. Not replayed: other torch-function and dispatch modes (e.g.
 FakeTensorMode) and saved-tensor hooks; enter those inside `fn`. `torch.func`
@@ -22,7 +23,22 @@ from threading import local
 
 import torch
 
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+
+def _autocast_device_types() -> tuple[str, ...]:
+    """Device types whose autocast state is replayed; those this torch does not know
+    are skipped (asking about them raises)."""
+    wanted = ("cpu", "cuda", "xpu", "mps", "hpu", torch._C._get_privateuse1_backend_name())
+    known = []
+    for device_type in dict.fromkeys(wanted):
+        try:
+            torch.is_autocast_enabled(device_type)
+        except (RuntimeError, ValueError, TypeError):
+            continue
+        known.append(device_type)
+    return tuple(known)
+
+
+_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
 
 
 class _Applied(local):

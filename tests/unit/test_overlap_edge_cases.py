@@ -216,3 +216,50 @@ def test_an_exception_raised_again_gets_its_ubatch_note_once() -> None:
             _overlap(fn)(torch.zeros(4))
     notes = [note for note in error.__notes__ if "raised in ubatch" in note]
     assert notes == ["raised in ubatch 0 of 2 (dbo overlap)"]
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """Like transformers' BatchEncoding: a UserDict with extra state."""
+
+    def __init__(self, data: dict[str, Any] | None = None, tag: str = "") -> None:
+        super().__init__(data)
+        self.tag = tag
+
+
+class Rows(list):  # type: ignore[type-arg]
+    def __init__(self, items: Any, label: str) -> None:  # not list's signature
+        super().__init__(items)
+        self.label = label
+
+
+def test_user_dicts_and_list_subclasses_are_split_and_merged_keeping_their_state() -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def fn(batch: Encoding, rows: Rows) -> tuple[Encoding, Rows]:
+        seen.append((type(batch), batch.tag, tuple(batch["ids"].shape), rows.label,
+                     tuple(rows[0].shape)))
+        return Encoding({"out": batch["ids"] * 2}, tag="out"), Rows([rows[0] + 1], "r")
+
+    ids = torch.arange(6.0).reshape(6, 1)
+    out, rows = _overlap(fn)(Encoding({"ids": ids}, tag="in"), Rows([torch.zeros(6)], "in"))
+    assert seen == [(Encoding, "in", (3, 1), "in", (3,))] * 2
+    assert isinstance(out, Encoding) and out.tag == "out" and torch.equal(out["out"], ids * 2)
+    assert isinstance(rows, Rows) and rows.label == "r" and torch.equal(rows[0], torch.ones(6))
+
+
+@pytest.mark.parametrize("device_type", ["hpu", "xpu", "mps"])
+def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
+    # Setting the flag needs no such device; it is what a model on that device sees.
+    before = torch.is_autocast_enabled(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        seen: list[bool] = []
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_autocast_enabled(device_type))
+            return x
+
+        _overlap(fn)(torch.zeros(4))
+    finally:
+        torch.set_autocast_enabled(device_type, before)
+    assert seen == [True, True]
