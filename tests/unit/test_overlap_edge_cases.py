@@ -263,3 +263,18 @@ def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
     finally:
         torch.set_autocast_enabled(device_type, before)
     assert seen == [True, True]
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C._profiler, "_ExperimentalConfig"), reason="no experimental config"
+)
+def test_the_documented_profiler_setting_records_ubatch_threads() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _overlap(lambda x: x @ x.T)
+    x = torch.randn(8, 8)
+    step(x)  # warm: the runner's threads exist before the profiler starts
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
+        step(x)
+    assert sum(1 for event in prof.events() if event.name == "aten::mm") == 2
