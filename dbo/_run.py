@@ -38,8 +38,10 @@ class OverlapRun:
         self.on_comm = [False] * num_ubatches
         self.fork_event: Any = None
         self.join_events: list[list[Any]] = [[] for _ in range(num_ubatches)]
-        self._hooks_for: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
-        """Recv hooks waiting for ubatch k, registered by the ubatch before it in the ring."""
+        self._hooks_for: list[list[tuple[int, Callable[[], Any]]]] = [
+            [] for _ in range(num_ubatches)
+        ]
+        """(owner, hook) pairs waiting for ubatch k, registered by the ubatch before it."""
         self._finished = [False] * num_ubatches
         self.first_failure: tuple[int, BaseException] | None = None
         """The ubatch that failed first and its exception (what the caller re-raises)."""
@@ -70,7 +72,7 @@ class OverlapRun:
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
         if self._finished[target]:
-            self.maybe_run_recv_hook(target)
+            self.maybe_run_recv_hook(target, running=ubatch_id)
 
     # ------------------------------------------------------------------ ubatch-side API
     def current_stream(self, ubatch_id: int) -> Any:
@@ -102,14 +104,28 @@ class OverlapRun:
         self.on_comm[ubatch_id] = to_comm
 
     def register_recv_hook(self, ubatch_id: int, hook: Callable[[], Any]) -> None:
-        self._hooks_for[(ubatch_id + 1) % self.num_ubatches].append(hook)
+        self._hooks_for[(ubatch_id + 1) % self.num_ubatches].append((ubatch_id, hook))
 
-    def maybe_run_recv_hook(self, ubatch_id: int) -> bool:
-        """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran."""
+    def maybe_run_recv_hook(self, ubatch_id: int, running: int | None = None) -> bool:
+        """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran.
+
+        `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook's
+        kernels (a receive) go to the running thread's current stream, but its owner
+        reads the result on its own streams: both of the owner's streams then wait for
+        an event recorded after the hooks. The owner is parked, so nothing it enqueued
+        later is held back.
+        """
         pending = self._hooks_for[ubatch_id]
         if not pending:
             return False
         self._hooks_for[ubatch_id] = []
-        for hook in pending:
+        running = ubatch_id if running is None else running
+        for _, hook in pending:
             hook()
+        owners = sorted({owner for owner, _ in pending if owner != running})
+        if owners:
+            done = self.backend.record_event(self.backend.current_stream())
+            for owner in owners:
+                self.backend.wait_event(self.streams[owner].compute, done)
+                self.backend.wait_event(self.streams[owner].comm, done)
         return True

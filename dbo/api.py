@@ -121,6 +121,10 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
     next calls `maybe_run_recv_hook()`. A hook still pending when its target ubatch
     finishes runs before the overlap returns; an exception in a hook fails the overlap.
 
+    The hook runs in the next ubatch's thread, so its kernels go to that thread's
+    current stream; afterwards both of this ubatch's streams wait for them (CUDA), so
+    this ubatch reads what the hook received in order.
+
     Outside an overlap there is no other ubatch, so the hook runs at once (dropping it
     would silently lose the receive).
     """

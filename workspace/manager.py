@@ -202,6 +202,22 @@ def _normalized_device(device: torch.device | str | int) -> torch.device:
     return device
 
 
+def _keep_until_stream_done(buffer: torch.Tensor) -> None:
+    """Before a CUDA slot buffer is dropped inside an overlap: keep the caching allocator
+    from reusing its block before the calling ubatch's current stream is past it.
+
+    Only this ubatch's kernels use its slot, on its compute and comm streams, and the
+    switch events order whichever of the two it left behind the current one, so the
+    current stream covers them. Outside an overlap every earlier use is ordered before
+    the caller's stream (ubatch streams are joined into it), so nothing is needed. No
+    host synchronization: a sync under the baton would also wait for the other
+    ubatch's in-flight collectives.
+    """
+    stream = dbo.current_stream()
+    if isinstance(stream, torch.cuda.Stream):
+        buffer.record_stream(stream)
+
+
 def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Layout:
     items = []
     offset = 0
@@ -510,10 +526,7 @@ class WorkspaceManager:
             )
         old = slot.buffer
         if old is not None and old.is_cuda:
-            # Kernels on any ubatch's streams may still read the old buffer; the caching
-            # allocator would hand its block to the next allocation on its own stream at
-            # once. Growth happens during warmup, so a device sync is cheap enough here.
-            torch.cuda.synchronize(old.device)
+            _keep_until_stream_done(old)
         del old
         slot.drop_buffer()
         slot.buffer = self._allocate_aligned(num_bytes)

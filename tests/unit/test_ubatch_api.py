@@ -227,3 +227,55 @@ def test_a_runner_dropped_without_close_ends_its_threads() -> None:
     while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not any(t.is_alive() for t in threads)
+
+
+def test_a_recv_hook_orders_its_owners_streams_after_the_receive() -> None:
+    # The hook of ubatch 1 runs in ubatch 0's thread, so its kernels (a receive) go to
+    # ubatch 0's current stream; ubatch 1 reads the received data on its own streams,
+    # which must wait for an event recorded after the hook.
+    from dbo._run import OverlapRun, UBatchStreams
+    from dbo.device import CpuBackend, CpuEvent, CpuStream
+
+    log: list[tuple[str, str, str]] = []
+
+    class RecordingBackend(CpuBackend):
+        def record_event(self, stream: CpuStream) -> CpuEvent:
+            log.append(("record", stream.name, ""))
+            return super().record_event(stream)
+
+        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+            log.append(("wait", stream.name, event.stream.name))
+            super().wait_event(stream, event)
+
+    backend = RecordingBackend()
+    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in (0, 1)]
+    run = OverlapRun(2, backend, streams, owner=None)
+    received: list[str] = []
+    run.register_recv_hook(1, lambda: received.append(backend.current_stream().name))
+    backend.set_current_stream(streams[0].comm)  # ubatch 0's thread, on its comm stream
+    try:
+        assert run.maybe_run_recv_hook(0)
+    finally:
+        backend.set_current_stream(backend._default)
+    assert received == ["comm0"]
+    assert log == [
+        ("record", "comm0", ""), ("wait", "compute1", "comm0"), ("wait", "comm1", "comm0"),
+    ]  # fmt: skip
+
+
+def test_a_hook_run_by_its_own_ubatch_needs_no_event() -> None:
+    from dbo._run import OverlapRun, UBatchStreams
+    from dbo.device import CpuBackend, CpuStream
+
+    events: list[object] = []
+
+    class CountingBackend(CpuBackend):
+        def record_event(self, stream: CpuStream) -> object:
+            events.append(stream)
+            return super().record_event(stream)
+
+    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in (0, 1)]
+    run = OverlapRun(2, CountingBackend(), streams, owner=None)
+    run.register_recv_hook(0, lambda: None)  # for ubatch 1, which has already finished
+    assert run.maybe_run_recv_hook(1, running=0)
+    assert events == []
