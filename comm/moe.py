@@ -118,10 +118,12 @@ def dispatch(
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    # Out-of-range ids are clamped only so that bincount runs; they raise just below.
-    counts_per_expert = torch.bincount(
-        flat_ids.clamp(0, num_experts - 1), minlength=num_experts
-    )  # [E]
+    # Out-of-range ids are clamped only so that the count runs; they raise just below.
+    # scatter_add_ rather than bincount, which synchronizes on CUDA (it reads the ids'
+    # min and max on the host) while this ubatch holds the baton.
+    clamped_ids = flat_ids.clamp(0, num_experts - 1)
+    counts_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts_per_expert.scatter_add_(0, clamped_ids, torch.ones_like(clamped_ids))  # [E]
     counts_per_rank = counts_per_expert.view(world_size, num_local_experts).sum(dim=1)
     if flat_ids.numel() > 0:
         # One host read (one synchronization on CUDA) for the range check and the splits.

@@ -67,11 +67,16 @@ class MoELayer(torch.nn.Module):
         weights, expert_ids = logits.topk(self.topk, dim=1)
         weights = torch.softmax(weights, dim=1)
         recv_x, recv_expert, handle = comm.moe.dispatch(x, expert_ids, self.num_experts)
-        expert_out = torch.empty_like(recv_x)
-        for local in range(self.num_local_experts):
-            rows = (recv_expert == local).nonzero().squeeze(1)
-            hidden = torch.relu(recv_x.index_select(0, rows) @ self.w1[local])
-            expert_out.index_copy_(0, rows, hidden @ self.w2[local])
+        # Group the received rows by local expert without a host sync: the sizes are
+        # already on the host (handle.num_recv_tokens_per_expert, [source rank, expert]).
+        rows_per_expert = handle.num_recv_tokens_per_expert.sum(dim=0).tolist()
+        order = torch.argsort(recv_expert, stable=True)
+        grouped = recv_x.index_select(0, order).split(rows_per_expert)
+        outs = [
+            torch.relu(rows @ self.w1[local]) @ self.w2[local]
+            for local, rows in enumerate(grouped)
+        ]
+        expert_out = torch.empty_like(recv_x).index_copy_(0, order, torch.cat(outs))
         return x + comm.moe.combine(expert_out, handle, weights)
 
 
