@@ -47,6 +47,7 @@ import threading
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import dbo
@@ -97,11 +98,14 @@ class UBatchGroupRegistry:
                         "dbo.overlap (e.g. right after comm.init_distributed)"
                     )
                 ranks = dist.get_process_group_ranks(base)
+                backend = str(dist.get_backend(base))
                 for index in range(len(existing), num_ubatches):
-                    duplicate = self._new_group(ranks, str(dist.get_backend(base)), index)
+                    duplicate = self._new_group(ranks, backend, index)
                     assert isinstance(duplicate, dist.ProcessGroup), (
                         "a member rank gets a group back from new_group"
                     )
+                    if backend == "nccl":
+                        connect_now(duplicate)
                     existing.append(duplicate)
                     self._is_duplicate.add(duplicate)
             return tuple(existing[:num_ubatches])
@@ -135,6 +139,22 @@ class UBatchGroupRegistry:
             self._duplicates.clear()
             self._is_duplicate.clear()
             return duplicates
+
+
+def connect_now(group: dist.ProcessGroup) -> None:
+    """Make NCCL create `group`'s communicator now, outside any overlap.
+
+    Without a device bound to the default group (`init_process_group(device_id=...)`,
+    which `comm.init_distributed` passes, but a world initialized elsewhere may not),
+    NCCL creates a communicator at its first collective. For a per-ubatch duplicate that
+    would happen inside an overlap, in a ubatch thread holding the baton, while the other
+    ubatch's collective is in flight: a blocking, device-synchronizing step that NCCL
+    warns can deadlock with another communicator's kernels. One tiny all-reduce here, on
+    every member in the same order (group creation is collective already), does it early.
+    """
+    probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(probe, group=group)
+    torch.cuda.current_stream().synchronize()
 
 
 _registry = UBatchGroupRegistry()

@@ -119,3 +119,26 @@ def test_allow_single_process_does_not_ignore_a_world_size_of_two(
         assert "MASTER_ADDR" in str(error)
         return
     pytest.fail(f"RANK=1 WORLD_SIZE=2 in the environment, but init returned {result}")
+
+
+def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The decision and its order, with gloo standing in for NCCL (no GPU here): every
+    # new duplicate of an NCCL group runs its first collective at creation, outside any
+    # overlap, so that no communicator is created lazily in a ubatch thread.
+    from comm import groups
+
+    connected: list[object] = []
+    create = groups.UBatchGroupRegistry._new_group
+
+    def new_gloo_group(self: object, ranks: list[int], backend: str, index: int) -> object:
+        assert backend == "nccl"
+        return create(self, ranks, "gloo", index)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(groups.UBatchGroupRegistry, "_new_group", new_gloo_group)
+    monkeypatch.setattr(groups.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(groups, "connect_now", connected.append)
+    duplicates = comm.ubatch_groups(None, 2)
+    assert connected == list(duplicates) and len(duplicates) == 2
+    assert comm.ubatch_groups(None, 2) == duplicates and len(connected) == 2  # once
