@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go, for a machine with CUDA and a torch that sees it:
 #   bash benchmarks/gpu_check.sh            (uses python3; PYTHON=... to pick another)
-# Runs the `gpu`-marked tests (if pytest is importable), then the benchmarks' CUDA rows.
+# Runs the `gpu`-marked tests (if pytest is importable; they include one NCCL rank under
+# torchrun with per-ubatch communicators), the MoE example on NCCL, then the benchmarks'
+# CUDA rows.
 # Runs from the checkout without installing it; a few minutes in all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,9 @@ if "$PYTHON" -c "import pytest, pytest_timeout" 2>/dev/null; then
 else
     echo "pytest / pytest-timeout not importable: skipping the gpu-marked tests"
 fi
+# The MoE example on one NCCL rank (CUDA tensors through dispatch/combine, under DBO).
+timeout 180 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 \
+    examples/moe_overlap.py --steps 5 || status=1
 timeout 120 "$PYTHON" benchmarks/workspace_alloc.py --rounds 5 || status=1
 timeout 240 "$PYTHON" benchmarks/overlap_efficiency.py --device cuda --rounds 5 || status=1
 exit $status

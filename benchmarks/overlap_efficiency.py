@@ -93,6 +93,8 @@ def measure(
     device: torch.device,
 ) -> dict[str, float]:
     link = EmulatedLink(latency_s=m_ms / 1000)
+    if device.type == "cuda":
+        link.calibrate(device)  # not inside the first overlapped round
     compute_only_fn = make_layer_loop(num_layers, num_matmuls, EmulatedLink(0.0), device)
     serial_fn = make_layer_loop(num_layers, num_matmuls, link, device)
     dbo_fn = dbo.overlap(serial_fn, num_ubatches=num_ubatches)

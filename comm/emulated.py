@@ -103,8 +103,18 @@ class EmulatedLink:
             self._free_at = start + duration
             return TransferHandle(tensor, self._free_at)
 
+    def calibrate(self, device: torch.device | str | int = "cuda") -> None:
+        """Measure the CUDA sleep kernel's clock now (it synchronizes the device).
+
+        Otherwise the first CUDA transfer does it, inside whatever overlap runs it, with
+        a host sync while its ubatch holds the baton. Links without latency or bandwidth
+        never calibrate. The calibration assumes the GPU clock stays where it was: on GPUs
+        whose clock boosts under load, calibrate after a warmup.
+        """
+        self._cycles_per_second(torch.device(device))
+
     def _transfer_cuda(self, tensor: torch.Tensor, duration: float) -> TransferHandle:
-        cycles = int(duration * self._cycles_per_second(tensor.device))
+        cycles = int(duration * self._cycles_per_second(tensor.device)) if duration > 0 else 0
         with torch.cuda.device(tensor.device):  # _sleep runs on the current device's stream
             stream = torch.cuda.current_stream()
             if cycles > 0:

@@ -65,3 +65,42 @@ def test_emulated_link_overlaps_on_the_comm_stream() -> None:
     x = torch.randn(512, 512, device="cuda")
     expected = torch.cat([fn(p) for p in torch.tensor_split(x, 2)])
     torch.testing.assert_close(dbo.overlap(fn)(x), expected)
+
+
+def test_a_recv_hook_kernel_is_ordered_before_its_owner_reads() -> None:
+    # Ubatch 0's receive runs in ubatch 1's thread (on ubatch 1's stream) and is slow;
+    # ubatch 0 then reads the buffer on its own stream and must see the received data.
+    received = [torch.zeros(1 << 20, device="cuda") for _ in range(2)]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+
+        def receive() -> None:
+            torch.cuda._sleep(50_000_000)  # tens of ms on any GPU clock
+            received[me].fill_(float(me + 1))
+
+        dbo.register_recv_hook(receive)
+        dbo.yield_()
+        dbo.maybe_run_recv_hook()
+        dbo.yield_()
+        return received[me][:1].clone() + x[:1] * 0
+
+    out = dbo.overlap(fn)(torch.zeros(2, device="cuda"))
+    assert out.tolist() == [1.0, 2.0]
+
+
+def test_nccl_world_of_one_with_per_ubatch_communicators() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("nccl_world.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc-per-node", "1", str(script)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    assert "nccl world: all checks passed" in completed.stdout
