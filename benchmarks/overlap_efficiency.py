@@ -19,7 +19,10 @@ serial and DBO runs; the table shows medians and the measured c.
 On CUDA the compute is larger matmuls on the ubatch's compute stream and a transfer is
 `EmulatedLink`'s sleep kernel on its comm stream; the host only enqueues, and times are
 taken after `torch.cuda.synchronize()`. Transfers on different comm streams can run at
-the same time there (the link is FIFO per stream, not across), so "hidden" may pass 1.
+the same time there (the link is FIFO per stream, not across), so "hidden" may pass 1;
+and matmuls too small to fill the GPU run concurrently on the two compute streams, which
+shows up as "hidden" communication that is really concurrent compute. Read the CUDA
+rows as a check that the streams overlap, not as a measure of DBO on a real link.
 
 The merge column is the cost of the default merge (torch.cat of the outputs) as a
 fraction of T_dbo, measured separately.

@@ -84,6 +84,11 @@ class CollectiveWork:
     collective (the host does not block). gloo: the host blocks until the data arrived
     (GIL released) and re-raises a peer's failure or the group's timeout. The tensors
     passed to the collective stay referenced until `wait()` returns.
+
+    Inside an overlap, wait every handle before the ubatch's function returns: the end
+    of the overlap orders the caller's stream after the ubatch's compute and comm
+    streams only, not after a collective nobody waited for (NCCL runs it on a stream of
+    its own), so the caller could read its output early.
     """
 
     __slots__ = ("_work", "_tensors", "_yields", "_done")
