@@ -104,7 +104,7 @@ class UBatchGroupRegistry:
                     assert isinstance(duplicate, dist.ProcessGroup), (
                         "a member rank gets a group back from new_group"
                     )
-                    if backend == "nccl":
+                    if "nccl" in backend:  # also "cpu:gloo,cuda:nccl"
                         connect_now(duplicate)
                     existing.append(duplicate)
                     self._is_duplicate.add(duplicate)
@@ -152,7 +152,10 @@ def connect_now(group: dist.ProcessGroup) -> None:
     warns can deadlock with another communicator's kernels. One tiny all-reduce here, on
     every member in the same order (group creation is collective already), does it early.
     """
-    probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    device = getattr(group, "bound_device_id", None) or torch.device(
+        "cuda", torch.cuda.current_device()
+    )
+    probe = torch.zeros(1, device=device)
     dist.all_reduce(probe, group=group)
     torch.cuda.current_stream().synchronize()
 

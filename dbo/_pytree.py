@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import inspect
 from typing import Any
 
@@ -72,6 +73,7 @@ def _is_structseq(value: Any) -> bool:
 
 
 _init_fields: dict[type, frozenset[str] | None] = {}
+_exposed_fields: dict[type, frozenset[str] | None] = {}
 
 
 def _constructor_fields(cls: type) -> frozenset[str] | None:
@@ -87,13 +89,26 @@ def _constructor_fields(cls: type) -> frozenset[str] | None:
     return _init_fields[cls]
 
 
+def _derived_by_post_init(cls: type) -> frozenset[str] | None:
+    """The init fields, when the constructor rebuilds `cls` and it has `__post_init__`:
+    its `init=False` fields are then taken to be derived there (a row count, a scale
+    vector of another length) and are neither split nor merged but derived again.
+    None: every field is exposed."""
+    if cls not in _exposed_fields:
+        init_names = _constructor_fields(cls)
+        derives = init_names is not None and hasattr(cls, "__post_init__")
+        _exposed_fields[cls] = init_names if derives else None
+    return _exposed_fields[cls]
+
+
 def _rebuild_dataclass(
     node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
 ) -> Any:
     """Call the constructor with the init fields, so that `__post_init__` derives fields
-    from the new contents; then set the other fields that hold new values (split or
-    merged), keeping what `__post_init__` derived for the unchanged ones. A dataclass
-    whose constructor takes other parameters (an `InitVar`) is copied, fields set."""
+    from the new contents; then set the exposed `init=False` fields (classes without
+    `__post_init__`), and give back any field the constructor left unset as the
+    template has it. A dataclass whose constructor takes other parameters (an `InitVar`)
+    is copied and its fields set."""
     init_names = _constructor_fields(node_type)
     if init_names is None:
         rebuilt = copy.copy(template)
@@ -102,21 +117,49 @@ def _rebuild_dataclass(
         return rebuilt
     items = dict(zip(keys, values))
     rebuilt = node_type(**{key: items[key] for key in init_names if key in items})
-    missing = object()
     for key, value in items.items():
-        if key in init_names:
-            continue
-        unchanged = template is not None and value is getattr(template, key, missing)
-        if unchanged and hasattr(rebuilt, key):
-            continue
-        object.__setattr__(rebuilt, key, value)
+        if key not in init_names:
+            object.__setattr__(rebuilt, key, value)
+    if template is not None:
+        for field in dataclasses.fields(node_type):
+            if not hasattr(rebuilt, field.name) and hasattr(template, field.name):
+                object.__setattr__(rebuilt, field.name, getattr(template, field.name))
     return rebuilt
+
+
+def _shell_of(template: Any) -> Any:
+    """A container of `template`'s type and attributes, without its items.
+
+    What `copy.copy` does minus replaying the items: that replay goes through the
+    type's own `__setitem__` / `append`, which may refuse (read-only types) or have side
+    effects, and `rebuild` fills the items itself.
+    """
+    reduced = template.__reduce_ex__(4)
+    if isinstance(reduced, str):
+        return copy.copy(template)
+    function, arguments, *rest = reduced
+    shell = function(*arguments)
+    state = rest[0] if rest else None
+    if state is not None:
+        set_state = getattr(shell, "__setstate__", None)
+        if set_state is not None:
+            set_state(state)
+        else:
+            slot_state = None
+            if isinstance(state, tuple) and len(state) == 2:
+                state, slot_state = state
+            if state:
+                shell.__dict__.update(state)
+            for name, value in (slot_state or {}).items():
+                setattr(shell, name, value)
+    return shell
 
 
 def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
     """(kind, type, keys, child values) of a container node, or None for a leaf.
 
-    Dataclasses expose all their fields (see `_rebuild_dataclass`).
+    Dataclasses expose all their fields, except those `__post_init__` derives (see
+    `_derived_by_post_init` and `_rebuild_dataclass`).
     """
     if _is_namedtuple(value):
         return "namedtuple", type(value), tuple(type(value)._fields), list(value)
@@ -133,7 +176,12 @@ def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
         keys = tuple(value.data.keys())
         return "dict", type(value), keys, [value.data[key] for key in keys]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        names = tuple(field.name for field in dataclasses.fields(value))
+        exposed = _derived_by_post_init(type(value))
+        names = tuple(
+            field.name
+            for field in dataclasses.fields(value)
+            if exposed is None or field.name in exposed
+        )
         missing = object()
         values = [getattr(value, name, missing) for name in names]
         if any(child is missing for child in values):  # an init=False field never set
@@ -153,29 +201,32 @@ def rebuild(
     if kind in ("tuple", "list", "structseq"):
         return node_type(values)
     if kind == "list subclass":
-        rebuilt = copy.copy(template)
-        list.clear(rebuilt)
+        rebuilt = _shell_of(template)
         list.extend(rebuilt, values)  # bypass overridden methods, like dict's below
         return rebuilt
     if kind == "dict":
         if node_type is dict:
             return dict(zip(keys, values))
-        # A subclass (defaultdict, OrderedDict, ...): keep its type and extra state, and
-        # bypass overridden update() methods (Counter.update adds counts). Items go in
-        # through the type's own __setitem__, which may keep attributes in step with them
-        # (transformers' ModelOutput); one that refuses falls back to dict's.
-        rebuilt = copy.copy(template)
+        # A subclass (defaultdict, OrderedDict, UserDict, ...): keep its type and extra
+        # state, and bypass overridden update() methods (Counter.update adds counts).
+        # Items go in through the type's own __setitem__, which may keep attributes in
+        # step with them (transformers' ModelOutput); one that refuses falls back to the
+        # base type's.
+        rebuilt = _shell_of(template)
         if isinstance(rebuilt, collections.UserDict):
-            rebuilt.data = {}  # copy.copy shares nothing, but start from no items
-            for key, value in zip(keys, values):
-                rebuilt[key] = value
-            return rebuilt
-        dict.clear(rebuilt)
+            rebuilt.data = {}  # the shell's state holds the template's own dict
+            store = rebuilt.data.__setitem__
+        elif isinstance(rebuilt, collections.OrderedDict):
+            collections.OrderedDict.clear(rebuilt)  # dict.clear would skip its key order
+            store = functools.partial(collections.OrderedDict.__setitem__, rebuilt)
+        else:
+            dict.clear(rebuilt)
+            store = functools.partial(dict.__setitem__, rebuilt)
         for key, value in zip(keys, values):
             try:
                 rebuilt[key] = value
             except Exception:  # noqa: BLE001 - a read-only mapping type
-                dict.__setitem__(rebuilt, key, value)
+                store(key, value)
         return rebuilt
     return _rebuild_dataclass(node_type, keys, values, template)
 

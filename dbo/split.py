@@ -145,7 +145,7 @@ def default_merge(outputs: Sequence[Any]) -> Any:
                     f"{', '.join(kinds)} there; return a tensor with a dim 0 from every "
                     "ubatch, or pass merge="
                 )
-            if any(value is first for value in values[1:]):
+            if first.shape[0] > 0 and any(value is first for value in values[1:]):
                 # A weight or a global buffer returned by every ubatch: concatenating the
                 # same rows n times is never what the caller meant.
                 raise ValueError(

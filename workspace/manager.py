@@ -424,8 +424,11 @@ class WorkspaceManager:
             with self._lock:
                 return self._prepare_locked(slot, requests, normalized)
         finally:
-            while self._deferred_logs:
-                _debug_log(*self._deferred_logs.pop(0))
+            if self._deferred_logs:
+                with self._lock:  # take them all at once: other threads flush too
+                    logs, self._deferred_logs = self._deferred_logs, []
+                for log in logs:
+                    _debug_log(*log)
 
     def _prepare_locked(
         self, slot: _Slot, requests: tuple[Any, ...], normalized: tuple[Any, ...]

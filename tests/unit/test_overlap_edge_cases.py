@@ -278,3 +278,72 @@ def test_the_documented_profiler_setting_records_ubatch_threads() -> None:
     with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
         step(x)
     assert sum(1 for event in prof.events() if event.name == "aten::mm") == 2
+
+
+# ---------------------------------------------------------------------------- review of the above
+@dataclasses.dataclass
+class Derived:
+    x: torch.Tensor
+    n: int = dataclasses.field(init=False)
+    total: torch.Tensor = dataclasses.field(init=False)
+    col_scale: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.n = int(self.x.shape[0])
+        self.total = self.x.sum()
+        self.col_scale = torch.ones(self.x.shape[1])  # not batch-shaped
+
+
+def test_fields_derived_in_post_init_are_derived_again_not_split_or_merged() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def fn(batch: Derived) -> Derived:
+        seen.append((batch.n, int(batch.col_scale.shape[0])))
+        return Derived(batch.x * 2)
+
+    out = _overlap(fn)(Derived(torch.ones(5, 3)))
+    assert seen == [(3, 3), (2, 3)]
+    assert out.n == 5 and out.total.item() == 30.0 and out.col_scale.shape == (3,)
+
+
+def test_ordered_dicts_with_keys_in_another_order_merge() -> None:
+    def fn(x: torch.Tensor) -> collections.OrderedDict[str, torch.Tensor]:
+        if dbo.current_ubatch_id() == 0:
+            return collections.OrderedDict(a=x, b=x + 1)
+        return collections.OrderedDict(b=x + 1, a=x)
+
+    out = _overlap(fn)(torch.arange(4.0))
+    assert isinstance(out, collections.OrderedDict) and list(out.keys()) == ["a", "b"]
+    assert torch.equal(out["b"], torch.arange(4.0) + 1)
+
+
+NO_ROWS = torch.empty(0, 3)
+
+
+def test_a_shared_tensor_without_rows_may_come_from_every_ubatch() -> None:
+    out, aux = _overlap(lambda x: (x, NO_ROWS))(torch.zeros(4, 3))
+    assert out.shape == (4, 3) and aux.shape == (0, 3)
+
+
+class ReadOnly(collections.UserDict):  # type: ignore[type-arg]
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise TypeError("read-only")
+        super().__setitem__(key, value)
+
+    def freeze(self) -> ReadOnly:
+        self._frozen = True
+        return self
+
+
+class Registry(list):  # type: ignore[type-arg]
+    def append(self, item: Any) -> None:
+        raise TypeError("use register()")
+
+
+def test_containers_whose_setters_refuse_are_rebuilt_without_them() -> None:
+    batch = ReadOnly({"x": torch.ones(4, 2)}).freeze()
+    rows = Registry()
+    list.append(rows, torch.ones(4, 2))
+    out = _overlap(lambda b, r: b["x"] + r[0])(batch, rows)
+    assert torch.equal(out, torch.full((4, 2), 2.0))

@@ -1066,3 +1066,29 @@ def test_a_new_request_after_a_graph_write_gets_a_fresh_view() -> None:
     small, flag = manager.get_simultaneous(((2,), torch.float32), ((0,), torch.bool))
     assert not small.requires_grad and small.grad_fn is None
     assert small.data_ptr() == view.data_ptr()  # within the capacity: the same bytes
+
+
+def test_deferred_resize_logs_are_taken_once_by_one_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
+    caplog.set_level(logging.INFO, logger="workspace")
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    errors: list[BaseException] = []
+
+    def grow(ubatch_id: int) -> None:
+        try:
+            with registered(UBatchContext(ubatch_id, 2, None)):
+                for size in range(1, 40):
+                    manager.get_simultaneous(((size * 4096 + ubatch_id,), torch.uint8))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=grow, args=(i,), daemon=True) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_TIMEOUT_S)
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    resizes = [r for r in caplog.records if "resized" in r.getMessage()]
+    assert len(resizes) == manager.stats().num_resizes
