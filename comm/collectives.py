@@ -85,10 +85,10 @@ class CollectiveWork:
     (GIL released) and re-raises a peer's failure or the group's timeout. The tensors
     passed to the collective stay referenced until `wait()` returns.
 
-    Inside an overlap, wait every handle before the ubatch's function returns: the end
-    of the overlap orders the caller's stream after the ubatch's compute and comm
-    streams only, not after a collective nobody waited for (NCCL runs it on a stream of
-    its own), so the caller could read its output early.
+    Inside an overlap, a handle still in flight when the ubatch's function returns is
+    waited then (without a yield), so the end of the overlap covers it: the caller's
+    stream is ordered after the ubatch's streams, and NCCL runs the collective on a
+    stream of its own that only a wait connects to them.
     """
 
     __slots__ = ("_work", "_tensors", "_yields", "_done")
@@ -126,6 +126,9 @@ class CollectiveWork:
         finally:
             self._tensors = ()
 
+    def _finish_at_ubatch_exit(self) -> None:
+        self.wait(yield_first=False)
+
     def __repr__(self) -> str:
         state = "waited" if self._done else "in flight"
         return f"CollectiveWork({state}, yields={self._yields})"
@@ -161,7 +164,11 @@ def _run(
         work = launch(ubatch_group, True)
         _protect(tensors)
         if async_op:
-            return CollectiveWork(work, tensors, yields=True)
+            handle = CollectiveWork(work, tensors, yields=True)
+            # A handle the ubatch never waits is waited when it returns (no yield), so
+            # that the end of the overlap covers the collective.
+            dbo.at_ubatch_exit(handle._finish_at_ubatch_exit)
+            return handle
         dbo.yield_()  # the other ubatches run while this transfer is in flight
         work.wait()
         return None

@@ -19,6 +19,7 @@ enabled, one ubatch), so model code written for DBO also runs without it.
 """
 
 from dbo.api import (
+    at_ubatch_exit,
     current_stream,
     current_ubatch_id,
     enabled,
@@ -48,6 +49,7 @@ __all__ = [
     "TokenSplit",
     "UBatchAbortedError",
     "UBatchRunner",
+    "at_ubatch_exit",
     "balanced_token_split",
     "close_default_runners",
     "current_stream",

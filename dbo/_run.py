@@ -43,6 +43,7 @@ class OverlapRun:
         ]
         """(owner, hook) pairs waiting for ubatch k, registered by the ubatch before it."""
         self._finished = [False] * num_ubatches
+        self._exit_callbacks: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
         self.first_failure: tuple[int, BaseException] | None = None
         """The ubatch that failed first and its exception (what the caller re-raises)."""
 
@@ -64,6 +65,16 @@ class OverlapRun:
             self.backend.record_event(streams.comm),
         ]
         self.backend.set_current_stream(previous_stream)
+
+    def add_exit_callback(self, ubatch_id: int, callback: Callable[[], Any]) -> None:
+        self._exit_callbacks[ubatch_id].append(callback)
+
+    def run_exit_callbacks(self, ubatch_id: int) -> None:
+        """At a ubatch's normal end, in its thread: the callbacks it registered, in order
+        (callbacks registered by a callback run too)."""
+        callbacks = self._exit_callbacks[ubatch_id]
+        while callbacks:
+            callbacks.pop(0)()
 
     def run_remaining_hooks(self, ubatch_id: int) -> None:
         """At a ubatch's normal end: run the hooks still pending for it, then the hooks it

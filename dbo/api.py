@@ -113,6 +113,27 @@ def on_comm_stream() -> bool:
     return False if run is None else bool(run.on_comm[ubatch_id])
 
 
+def at_ubatch_exit(callback: Callable[[], Any]) -> bool:
+    """Run `callback` in this ubatch's thread when its function returns normally, before
+    the overlap orders the caller's stream after this ubatch's streams; True if
+    registered.
+
+    For library code that leaves work in flight for the caller to finish (an async
+    collective's handle): finishing it here makes the end of the overlap cover it even
+    if the caller never does. Callbacks run in registration order; an exception in one
+    fails the overlap like one in the function. Not run when the ubatch raised or was
+    aborted. Outside an overlap there is no ubatch to end: nothing is registered and
+    False is returned.
+    """
+    if not callable(callback):
+        raise TypeError(f"callback must be callable, got {callback!r}")
+    run, ubatch_id = _run_and_id()
+    if run is None:
+        return False
+    run.add_exit_callback(ubatch_id, callback)
+    return True
+
+
 def register_recv_hook(hook: Callable[[], Any]) -> None:
     """Hand `hook` to the next ubatch in the ring, to run at its `maybe_run_recv_hook()`.
 

@@ -394,6 +394,7 @@ class _UBatchJob:
                 run.enter(ubatch_id)
                 try:
                     self.results[ubatch_id] = self.fn(*self.args, **self.kwargs)
+                    run.run_exit_callbacks(ubatch_id)
                     run.run_remaining_hooks(ubatch_id)
                 finally:
                     run.exit(ubatch_id, previous_stream)

@@ -195,3 +195,48 @@ def test_bad_arguments_raise_before_launching(
     with pytest.raises(error, match=text):
         dbo.overlap(body)(torch.zeros(2))
     assert launched == []
+
+
+def test_an_async_collective_never_waited_is_waited_when_its_ubatch_returns(
+    world_of_one: None,
+) -> None:
+    handles: list[comm.CollectiveWork] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        work = comm.all_reduce(out, async_op=True)
+        assert work is not None
+        handles.append(work)
+        return out  # the caller forgot work.wait()
+
+    x = torch.arange(4.0)
+    out = dbo.overlap(fn, timeout_s=30)(x)
+    assert torch.equal(out, x)  # a world of one: the sum is the input
+    assert [repr(handle) for handle in handles] == ["CollectiveWork(waited, yields=True)"] * 2
+
+
+def test_exit_callbacks_run_in_order_at_a_normal_end_only() -> None:
+    calls: list[tuple[int, str]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        assert dbo.at_ubatch_exit(lambda: calls.append((me, "first")))
+        assert dbo.at_ubatch_exit(lambda: calls.append((me, "second")))
+        dbo.yield_()
+        calls.append((me, "body done"))
+        return x
+
+    dbo.overlap(fn, timeout_s=30)(torch.zeros(2))
+    assert calls == [
+        (0, "body done"), (0, "first"), (0, "second"),
+        (1, "body done"), (1, "first"), (1, "second"),
+    ]  # fmt: skip
+    assert dbo.at_ubatch_exit(lambda: None) is False  # outside: nothing to end
+
+    def failing(x: torch.Tensor) -> torch.Tensor:
+        dbo.at_ubatch_exit(lambda: calls.append((9, "after a failure")))
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        dbo.overlap(failing, timeout_s=30)(torch.zeros(2))
+    assert (9, "after a failure") not in calls
