@@ -24,6 +24,9 @@ class DeviceBackend(Protocol):
     def new_stream(self, name: str) -> Any:
         """A new stream on this device."""
 
+    def stream_key(self, stream: Any) -> Any:
+        """What identifies the device queue behind `stream` (equal keys: one queue)."""
+
     def current_stream(self) -> Any:
         """The calling thread's current stream."""
 
@@ -85,6 +88,9 @@ class CpuBackend:
     def new_stream(self, name: str) -> CpuStream:
         return CpuStream(name)
 
+    def stream_key(self, stream: CpuStream) -> int:
+        return id(stream)
+
     def current_stream(self) -> CpuStream:
         return self._current.stream or self._default
 
@@ -116,6 +122,11 @@ class CudaBackend:
 
     def new_stream(self, name: str) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)
+
+    def stream_key(self, stream: torch.cuda.Stream) -> int:
+        # torch.cuda.Stream() hands out streams round-robin from a small per-device pool:
+        # two Stream objects can be one CUDA stream.
+        return int(stream.cuda_stream)
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)

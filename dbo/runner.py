@@ -240,9 +240,9 @@ class UBatchRunner:
         cached = self._streams.get(device)
         if cached is None:
             backend = backend_for(device)
+            drawn = _distinct_streams(backend, 2 * self.num_ubatches)
             streams = [
-                UBatchStreams(backend.new_stream(f"compute{i}"), backend.new_stream(f"comm{i}"))
-                for i in range(self.num_ubatches)
+                UBatchStreams(drawn[2 * i], drawn[2 * i + 1]) for i in range(self.num_ubatches)
             ]
             cached = self._streams[device] = (backend, streams)
         return cached
@@ -412,6 +412,36 @@ class _UBatchJob:
             self.results = self.errors = None  # type: ignore[assignment]
             run.baton.finish(ubatch_id)
             self.run = None  # type: ignore[assignment]
+
+
+_MAX_STREAM_DRAWS = 128
+"""New streams drawn, at most, looking for ones distinct from the others (CUDA's pool
+holds 32 per priority)."""
+
+
+def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
+    """`count` streams that are distinct device queues, none of them the caller's
+    current stream: two ubatch streams sharing one queue would serialize their work.
+
+    Raises RuntimeError when the device cannot give that many (more ubatches than its
+    stream pool holds)."""
+    taken = {backend.stream_key(backend.current_stream())}
+    streams: list[Any] = []
+    for _ in range(_MAX_STREAM_DRAWS):
+        if len(streams) == count:
+            break
+        role = "compute" if len(streams) % 2 == 0 else "comm"
+        stream = backend.new_stream(f"{role}{len(streams) // 2}")
+        key = backend.stream_key(stream)
+        if key not in taken:
+            taken.add(key)
+            streams.append(stream)
+    if len(streams) < count:
+        raise RuntimeError(
+            f"could not get {count} distinct streams on {backend.device} (got "
+            f"{len(streams)} in {_MAX_STREAM_DRAWS} draws); use fewer ubatches"
+        )
+    return streams
 
 
 def _stop_all(workers: list[_Worker]) -> None:

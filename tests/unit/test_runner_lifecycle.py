@@ -209,3 +209,32 @@ def test_a_broken_runner_is_usable_again_once_the_stuck_ubatch_returns() -> None
                 assert time.monotonic() < deadline, "the runner never recovered"
                 time.sleep(0.05)
         assert [o.item() for o in out] == [1.0, 1.0] and not runner.broken
+
+
+def test_ubatch_streams_are_distinct_queues_and_not_the_callers() -> None:
+    # CUDA's pool hands out streams round-robin: a Stream object may be a queue already
+    # in use. A backend whose pool has 5 queues, the caller on queue 0.
+    from dbo.device import CpuBackend, CpuStream
+    from dbo.runner import _distinct_streams
+
+    class SmallPool(CpuBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drawn = 0
+            self.caller = CpuStream("queue0")
+
+        def current_stream(self) -> CpuStream:
+            return self.caller
+
+        def new_stream(self, name: str) -> CpuStream:
+            self.drawn += 1
+            return CpuStream(f"queue{self.drawn % 3 if self.drawn < 6 else self.drawn % 5}")
+
+        def stream_key(self, stream: CpuStream) -> str:  # type: ignore[override]
+            return stream.name
+
+    backend = SmallPool()
+    streams = _distinct_streams(backend, 4)
+    assert sorted(s.name for s in streams) == ["queue1", "queue2", "queue3", "queue4"]
+    with pytest.raises(RuntimeError, match="distinct streams"):
+        _distinct_streams(SmallPool(), 5)
