@@ -296,6 +296,12 @@ class UBatchRunner:
                     f"ubatch {run.baton.holder} was still running {_ABORT_GRACE_S} s after its "
                     "overlap was aborted"
                 )
+                # Best effort: the caller's stream waits for what the ubatches enqueued so
+                # far, so that it does not reuse the inputs under their kernels (what the
+                # stuck ubatch enqueues later is not covered).
+                for ubatch_streams in run.streams:
+                    for stream in (ubatch_streams.compute, ubatch_streams.comm):
+                        backend.wait_event(caller_stream, backend.record_event(stream))
             raise
         finally:
             self._current_run = None

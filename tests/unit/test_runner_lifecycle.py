@@ -238,3 +238,37 @@ def test_ubatch_streams_are_distinct_queues_and_not_the_callers() -> None:
     assert sorted(s.name for s in streams) == ["queue1", "queue2", "queue3", "queue4"]
     with pytest.raises(RuntimeError, match="distinct streams"):
         _distinct_streams(SmallPool(), 5)
+
+
+def test_a_run_left_broken_still_orders_the_callers_stream_after_the_ubatch_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dbo import runner as runner_module
+    from dbo.device import CpuBackend, CpuEvent, CpuStream
+
+    waits: list[tuple[str, str]] = []
+
+    class Recording(CpuBackend):
+        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+            waits.append((stream.name, event.stream.name))
+            super().wait_event(stream, event)
+
+    monkeypatch.setattr(runner_module, "backend_for", lambda device: Recording())
+    release = threading.Event()
+
+    def stuck(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            release.wait(timeout=10)
+        return x
+
+    parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
+    runner = dbo.UBatchRunner(num_ubatches=2)
+    try:
+        with pytest.raises(dbo.OverlapTimeoutError):
+            runner.run(stuck, parts, timeout_s=0.3)
+        assert runner.broken
+        joined = {source for target, source in waits if target == "default"}
+        assert joined == {"compute0", "comm0", "compute1", "comm1"}
+    finally:
+        release.set()
+        runner.close()
