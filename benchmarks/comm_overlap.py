@@ -84,15 +84,28 @@ def _time_ms(fn: Callable[[], Any], repeats: int = 2) -> float:
     return best * 1e3
 
 
-def _interleaved(modes: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median over `rounds` interleaved rounds of each mode's time, max over ranks (ms)."""
+def _interleaved(
+    modes: dict[str, Callable[[], Any]],
+    rounds: int,
+    ratios: tuple[tuple[str, str], ...] = (),
+) -> dict[str, float]:
+    """Median over `rounds` interleaved rounds of each mode's time, max over ranks (ms).
+
+    For each `(a, b)` in `ratios`, also "a/b": the median over rounds of a's time over
+    b's in the same round (paired, so a slow drift of the machine cancels), max over
+    ranks.
+    """
     samples: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(rounds):
         for name, fn in modes.items():
             samples[name].append(_time_ms(fn))
-    medians = torch.tensor([statistics.median(samples[name]) for name in modes])
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(modes, medians.tolist()))
+    names = list(modes) + [f"{a}/{b}" for a, b in ratios]
+    values = [statistics.median(samples[name]) for name in modes] + [
+        statistics.median(x / y for x, y in zip(samples[a], samples[b])) for a, b in ratios
+    ]
+    reduced = torch.tensor(values)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return dict(zip(names, reduced.tolist()))
 
 
 # --------------------------------------------------------------------------- workload
@@ -299,7 +312,9 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         for name, fn in modes.items():  # warm-up; every mode computes the same thing
             if not torch.equal(fn(), reference):
                 raise AssertionError(f"{name} differs from serial")
-        times = _interleaved(modes, args.rounds)
+        times = _interleaved(
+            modes, args.rounds, ratios=(("dbo", "pipeline"), ("dbo", "threads"))
+        )
         label = f"{rows * HIDDEN * 4 // 1024} KB, c~{target_ratio:g}m"
         report["rows"].append({"label": label, "c": c, "m": m, **times})
     if rank == 0:
@@ -320,7 +335,8 @@ def _print_report(report: dict[str, Any]) -> None:
     print(
         f"\nLayer loop: 2 ubatches x {layers} layers; times in ms; x = speedup over serial; "
         "hidden = (serial - T) / (serial - ideal);\nthreads = the same schedule on two bare "
-        "threads (no dbo); DBO/pipe, DBO/thr = DBO's step time over theirs"
+        "threads (no dbo); DBO/pipe, DBO/thr = DBO's step time over theirs in the same "
+        "round (median)"
     )
     print(
         f"{'per ubatch':<17}{'c':>6}{'m':>6}{'serial':>8}{'ideal':>7}{'DBO':>7}{'pipe':>7}"
@@ -339,7 +355,7 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{row['label']:<17}{c:6.2f}{m:6.2f}{serial:8.1f}{ideal:7.1f}{t_dbo:7.1f}"
             f"{t_pipe:7.1f}{t_thr:7.1f}{serial / t_dbo:7.2f}{serial / t_pipe:7.2f}"
             f"{serial / t_thr:7.2f}{hidden(t_dbo):>8}{hidden(t_pipe):>9}"
-            f"{t_dbo / t_pipe:9.2f}{t_dbo / t_thr:8.2f}"
+            f"{row['dbo/pipeline']:9.2f}{row['dbo/threads']:8.2f}"
             f"{serial / row['dbo, one group']:>13.2f}x{serial / row['pipeline, one group']:>5.2f}x"
         )
 

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -241,36 +242,37 @@ def flatten(tree: Any, path: str = "") -> tuple[list[Any], list[str], TreeSpec]:
     """Leaves in depth-first order, their paths (rooted at `path`), and the structure."""
     leaves: list[Any] = []
     paths: list[str] = []
-
-    def visit(node: Any, node_path: str) -> TreeSpec:
-        described = children(node)
-        if described is None:
-            leaves.append(node)
-            paths.append(node_path)
-            return _LEAF
-        kind, node_type, keys, values = described
-        child_specs = tuple(
-            visit(child, _child_path(node_path, kind, key))
-            for key, child in zip(keys, values)
-        )
-        template = None
-        if kind in ("dataclass", "list subclass") or (kind == "dict" and node_type is not dict):
-            template = node
-        return TreeSpec(kind, node_type, keys, child_specs, template)
-
-    spec = visit(tree, path)
+    spec = _visit(tree, path, leaves, paths)
     return leaves, paths, spec
+
+
+# Module-level recursion, not a closure calling itself: such a closure is a reference
+# cycle that would keep the leaves (activations) alive until the garbage collector runs.
+def _visit(node: Any, node_path: str, leaves: list[Any], paths: list[str]) -> TreeSpec:
+    described = children(node)
+    if described is None:
+        leaves.append(node)
+        paths.append(node_path)
+        return _LEAF
+    kind, node_type, keys, values = described
+    child_specs = tuple(
+        _visit(child, _child_path(node_path, kind, key), leaves, paths)
+        for key, child in zip(keys, values)
+    )
+    template = None
+    if kind in ("dataclass", "list subclass") or (kind == "dict" and node_type is not dict):
+        template = node
+    return TreeSpec(kind, node_type, keys, child_specs, template)
 
 
 def unflatten(spec: TreeSpec, leaves: list[Any]) -> Any:
     """Rebuild a tree of structure `spec` from `leaves` (depth-first order)."""
-    iterator = iter(leaves)
+    return _build(spec, iter(leaves))
 
-    def build(node: TreeSpec) -> Any:
-        if node.kind == "leaf":
-            return next(iterator)
-        values = [build(child) for child in node.children]
-        assert node.node_type is not None, "container specs always record their type"
-        return rebuild(node.kind, node.node_type, node.keys, values, node.template)
 
-    return build(spec)
+def _build(node: TreeSpec, leaves: Iterator[Any]) -> Any:
+    if node.kind == "leaf":
+        return next(leaves)
+    values = [_build(child, leaves) for child in node.children]
+    assert node.node_type is not None, "container specs always record their type"
+    return rebuild(node.kind, node.node_type, node.keys, values, node.template)
