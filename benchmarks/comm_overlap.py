@@ -31,12 +31,13 @@ the larger all-to-alls cannot be hidden behind compute and the ceiling is below 
 
 What it showed on the project's 2-core VM: with both ubatches overlapped, each rank's
 core is ~100% busy (process CPU time ~= wall time), so every microsecond of overhead is
-step time. DBO trails the hand-written pipeline by 2-23%. The "threads" column (the
-same schedule on two bare threads, no dbo) trails it by up to ~11%: that part is the
+step time. DBO trails the hand-written pipeline by 1-23% (six runs). The "threads"
+column (the same schedule on two bare threads, no dbo) trails it too: that part is the
 cost of running each ubatch in its own OS thread (~2 context switches per handoff, each
-~10-20 us of CPU here). DBO trails the bare threads by 1-14%: the `dbo.overlap` call's
-fixed cost (split, runner lease, settings replay, merge: ~0.2 ms idle, more under load)
-and `comm`'s checks and stream bookkeeping per collective. Results vary by +-10% from
+~10-20 us of CPU here). DBO trails the bare threads by 0-5% at 1 MB and 5-20% at
+256 KB: `comm`'s checks and stream bookkeeping per collective (~5-9% of the step at
+256 KB in a paired A/B) and the `dbo.overlap` call (split, runner lease, settings
+replay, merge). Results vary by +-10% from
 run to run on this shared VM; compare columns within one run.
 """
 
