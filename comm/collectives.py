@@ -10,7 +10,7 @@ Outside an overlap each is the plain torch.distributed op (blocking; with
 
 Inside an overlap (a ubatch thread of `dbo.overlap`), a blocking call:
   1. moves the ubatch to its comm stream, ordered after its compute stream by an event
-     (`dbo.switch_to_comm`; a no-op with checks on CPU);
+     (`dbo.switch_to_comm`; skipped on CPU, where streams are bookkeeping only);
   2. launches the collective asynchronously on the ubatch's duplicate group (see
      `comm.groups`; the base group if there is none) and protects the tensors from the
      CUDA caching allocator on the comm stream (`Tensor.record_stream`);
@@ -157,12 +157,17 @@ def _run(
         work = launch(group, async_op)
         return CollectiveWork(work, tensors, yields=False) if async_op else None
     ubatch_group = group_registry().lookup(group, dbo.current_ubatch_id())
-    switched = not dbo.on_comm_stream()
+    stream = dbo.current_stream()
+    # On the CPU backend streams are bookkeeping only and the collective completes on
+    # the host: no stream to move to, nothing to protect (the same yields either way).
+    on_cuda = isinstance(stream, torch.cuda.Stream)
+    switched = on_cuda and not dbo.on_comm_stream()
     if switched:
         dbo.switch_to_comm()
     try:
         work = launch(ubatch_group, True)
-        _protect(tensors)
+        if on_cuda:
+            _protect(tensors)
         if async_op:
             handle = CollectiveWork(work, tensors, yields=True)
             # A handle the ubatch never waits is waited when it returns (no yield), so
