@@ -723,11 +723,16 @@ RESIZE_LINE = re.compile(
 )
 
 
-def test_debug_env_logs_resize_lock_and_unlock(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.fixture
+def debug_logging(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """DBO_DEBUG_WORKSPACE on, and the workspace logger's INFO records in `caplog`."""
     monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
     caplog.set_level(logging.INFO, logger="workspace")
+
+
+def test_debug_env_logs_resize_lock_and_unlock(
+    debug_logging: None, caplog: pytest.LogCaptureFixture
+) -> None:
     manager = WorkspaceManager("cpu", num_ubatches=2)
 
     line = _next_line()
@@ -1069,10 +1074,8 @@ def test_a_new_request_after_a_graph_write_gets_a_fresh_view() -> None:
 
 
 def test_deferred_resize_logs_are_taken_once_by_one_thread(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    debug_logging: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
-    caplog.set_level(logging.INFO, logger="workspace")
     manager = WorkspaceManager("cpu", num_ubatches=2)
     errors: list[BaseException] = []
 
