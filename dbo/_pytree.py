@@ -135,7 +135,10 @@ def _shell_of(template: Any) -> Any:
     type's own `__setitem__` / `append`, which may refuse (read-only types) or have side
     effects, and `rebuild` fills the items itself.
     """
-    reduced = template.__reduce_ex__(4)
+    try:
+        reduced = template.__reduce_ex__(4)
+    except Exception:  # noqa: BLE001 - a type that refuses pickling may still copy
+        return copy.copy(template)
     if isinstance(reduced, str):
         return copy.copy(template)
     function, arguments, *rest = reduced
@@ -203,6 +206,7 @@ def rebuild(
         return node_type(values)
     if kind == "list subclass":
         rebuilt = _shell_of(template)
+        list.clear(rebuilt)  # a custom __reduce__ may pass the items to the constructor
         list.extend(rebuilt, values)  # bypass overridden methods, like dict's below
         return rebuilt
     if kind == "dict":

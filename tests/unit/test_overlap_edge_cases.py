@@ -378,3 +378,18 @@ def test_outputs_are_freed_by_reference_counting_not_left_to_the_gc() -> None:
         assert gc.collect() == 0  # no call leaves a reference cycle behind
     finally:
         gc.enable()
+
+
+class Batch(list):  # type: ignore[type-arg]
+    """A list subclass whose __reduce__ passes its items to the constructor."""
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__(items)
+
+    def __reduce__(self) -> Any:
+        return (Batch, (list(self),))
+
+
+def test_a_list_subclass_that_reduces_with_its_items_is_not_doubled() -> None:
+    out = _overlap(lambda b: Batch([b[0] * 2]))(Batch([torch.ones(4, 2)]))
+    assert isinstance(out, Batch) and len(out) == 1 and out[0].shape == (4, 2)
