@@ -39,6 +39,7 @@ a) cannot be checked locally; `comm.moe.dispatch` exchanges counts so it always 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,13 +92,14 @@ class CollectiveWork:
     stream of its own that only a wait connects to them.
     """
 
-    __slots__ = ("_work", "_tensors", "_yields", "_done")
+    __slots__ = ("_work", "_tensors", "_yields", "_done", "_exit_cell")
 
     def __init__(self, work: Any, tensors: Sequence[torch.Tensor], yields: bool) -> None:
         self._work = work
         self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
         self._yields = yields
         self._done = False
+        self._exit_cell: list[CollectiveWork] = []
 
     @property
     def work(self) -> Any:
@@ -125,13 +127,17 @@ class CollectiveWork:
             self._work.wait()
         finally:
             self._tensors = ()
-
-    def _finish_at_ubatch_exit(self) -> None:
-        self.wait(yield_first=False)
+            self._exit_cell.clear()
 
     def __repr__(self) -> str:
         state = "waited" if self._done else "in flight"
         return f"CollectiveWork({state}, yields={self._yields})"
+
+
+def _wait_left_over(cell: list[CollectiveWork]) -> None:
+    """At a ubatch's end: wait the handle in `cell` unless its wait() emptied it."""
+    if cell:
+        cell[0].wait(yield_first=False)
 
 
 def _protect(tensors: Sequence[torch.Tensor]) -> None:
@@ -171,8 +177,11 @@ def _run(
         if async_op:
             handle = CollectiveWork(work, tensors, yields=True)
             # A handle the ubatch never waits is waited when it returns (no yield), so
-            # that the end of the overlap covers the collective.
-            dbo.at_ubatch_exit(handle._finish_at_ubatch_exit)
+            # that the end of the overlap covers the collective. The callback holds the
+            # handle through a cell that wait() empties: a waited handle (its Work and
+            # tensors) is not kept alive until the ubatch ends.
+            handle._exit_cell = [handle]
+            dbo.at_ubatch_exit(functools.partial(_wait_left_over, handle._exit_cell))
             return handle
         dbo.yield_()  # the other ubatches run while this transfer is in flight
         work.wait()

@@ -91,14 +91,26 @@ def _constructor_fields(cls: type) -> frozenset[str] | None:
 
 
 def _derived_by_post_init(cls: type) -> frozenset[str] | None:
-    """The init fields, when the constructor rebuilds `cls` and it has `__post_init__`:
-    its `init=False` fields are then taken to be derived there (a row count, a scale
-    vector of another length) and are neither split nor merged but derived again.
-    None: every field is exposed."""
+    """The fields to expose when some `init=False` fields are derived in `__post_init__`
+    (a row count, a scale vector of another length): those are neither split nor merged
+    but derived again by the constructor. None: every field is exposed.
+
+    A field counts as derived when the constructor rebuilds `cls` and `__post_init__`'s
+    code names it (`self.n = ...` or `object.__setattr__(self, "n", ...)`); an
+    `init=False` field it does not name is data set after construction, exposed like
+    the others.
+    """
     if cls not in _exposed_fields:
-        init_names = _constructor_fields(cls)
-        derives = init_names is not None and hasattr(cls, "__post_init__")
-        _exposed_fields[cls] = init_names if derives else None
+        exposed = None
+        post_init = getattr(cls, "__post_init__", None)
+        code = getattr(post_init, "__code__", None)
+        if _constructor_fields(cls) is not None and code is not None:
+            named = set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)}
+            fields = dataclasses.fields(cls)
+            derived = {f.name for f in fields if not f.init and f.name in named}
+            if derived:
+                exposed = frozenset(f.name for f in fields if f.name not in derived)
+        _exposed_fields[cls] = exposed
     return _exposed_fields[cls]
 
 
@@ -106,10 +118,8 @@ def _rebuild_dataclass(
     node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
 ) -> Any:
     """Call the constructor with the init fields, so that `__post_init__` derives fields
-    from the new contents; then set the exposed `init=False` fields (classes without
-    `__post_init__`), and give back any field the constructor left unset as the
-    template has it. A dataclass whose constructor takes other parameters (an `InitVar`)
-    is copied and its fields set."""
+    from the new contents; then set the exposed `init=False` fields. A dataclass whose
+    constructor takes other parameters (an `InitVar`) is copied and its fields set."""
     init_names = _constructor_fields(node_type)
     if init_names is None:
         rebuilt = copy.copy(template)
@@ -121,10 +131,6 @@ def _rebuild_dataclass(
     for key, value in items.items():
         if key not in init_names:
             object.__setattr__(rebuilt, key, value)
-    if template is not None:
-        for field in dataclasses.fields(node_type):
-            if not hasattr(rebuilt, field.name) and hasattr(template, field.name):
-                object.__setattr__(rebuilt, field.name, getattr(template, field.name))
     return rebuilt
 
 
@@ -133,8 +139,12 @@ def _shell_of(template: Any) -> Any:
 
     What `copy.copy` does minus replaying the items: that replay goes through the
     type's own `__setitem__` / `append`, which may refuse (read-only types) or have side
-    effects, and `rebuild` fills the items itself.
+    effects, and `rebuild` fills the items itself. A type with its own `__copy__`
+    (`UserDict`) is copied with it (the caller empties the items). Attributes that the
+    pickle state leaves out (`__getstate__` keeping only some) are copied over too.
     """
+    if getattr(type(template), "__copy__", None) is not None:
+        return copy.copy(template)
     try:
         reduced = template.__reduce_ex__(4)
     except Exception:  # noqa: BLE001 - a type that refuses pickling may still copy
@@ -156,6 +166,10 @@ def _shell_of(template: Any) -> Any:
                 shell.__dict__.update(state)
             for name, value in (slot_state or {}).items():
                 setattr(shell, name, value)
+    own, copied = getattr(template, "__dict__", None), getattr(shell, "__dict__", None)
+    if own and copied is not None:
+        for name, value in own.items():
+            copied.setdefault(name, value)
     return shell
 
 

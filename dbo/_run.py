@@ -69,16 +69,22 @@ class OverlapRun:
     def add_exit_callback(self, ubatch_id: int, callback: Callable[[], Any]) -> None:
         self._exit_callbacks[ubatch_id].append(callback)
 
-    def run_exit_callbacks(self, ubatch_id: int) -> None:
-        """At a ubatch's normal end, in its thread: the callbacks it registered, in order
-        (callbacks registered by a callback run too)."""
+    def finish_normally(self, ubatch_id: int) -> None:
+        """At a ubatch's normal end, in its thread: its exit callbacks, in order, then the
+        recv hooks still pending (`run_remaining_hooks`), again until neither registers
+        more (a hook may start a collective whose handle registers a callback)."""
         callbacks = self._exit_callbacks[ubatch_id]
-        while callbacks:
-            callbacks.pop(0)()
+        while True:
+            while callbacks:
+                callbacks.pop(0)()
+            self.run_remaining_hooks(ubatch_id)
+            if not callbacks:
+                return
 
     def run_remaining_hooks(self, ubatch_id: int) -> None:
         """At a ubatch's normal end: run the hooks still pending for it, then the hooks it
-        registered for a ubatch that has already finished (nobody else would run them)."""
+        registered for a ubatch that has already finished (nobody else would run them).
+        Idempotent."""
         self.maybe_run_recv_hook(ubatch_id)
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches

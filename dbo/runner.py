@@ -400,8 +400,7 @@ class _UBatchJob:
                 run.enter(ubatch_id)
                 try:
                     self.results[ubatch_id] = self.fn(*self.args, **self.kwargs)
-                    run.run_exit_callbacks(ubatch_id)
-                    run.run_remaining_hooks(ubatch_id)
+                    run.finish_normally(ubatch_id)
                 finally:
                     run.exit(ubatch_id, previous_stream)
         except BaseException as error:  # noqa: B036 - every failure must reach the caller

@@ -240,3 +240,31 @@ def test_exit_callbacks_run_in_order_at_a_normal_end_only() -> None:
     with pytest.raises(ValueError, match="boom"):
         dbo.overlap(failing, timeout_s=30)(torch.zeros(2))
     assert (9, "after a failure") not in calls
+
+
+def test_a_waited_async_handle_does_not_keep_its_tensors_until_the_ubatch_ends(
+    world_of_one: None,
+) -> None:
+    import gc
+    import weakref
+
+    alive: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            buffer = x.clone()
+            ref = weakref.ref(buffer)
+            work = comm.all_reduce(buffer, async_op=True)
+            assert work is not None
+            work.wait()
+            del work, buffer
+            alive.append(ref() is not None)
+        return x
+
+    gc.collect()
+    gc.disable()
+    try:
+        dbo.overlap(fn, timeout_s=30)(torch.zeros(4))
+    finally:
+        gc.enable()
+    assert alive == [False] * 6

@@ -393,3 +393,64 @@ class Batch(list):  # type: ignore[type-arg]
 def test_a_list_subclass_that_reduces_with_its_items_is_not_doubled() -> None:
     out = _overlap(lambda b: Batch([b[0] * 2]))(Batch([torch.ones(4, 2)]))
     assert isinstance(out, Batch) and len(out) == 1 and out[0].shape == (4, 2)
+
+
+# ---------------------------------------------------------------- second review of the above
+@dataclasses.dataclass
+class Validated:
+    x: torch.Tensor
+    aux: Any = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.x.ndim != 2:  # validates only; aux is data set after construction
+            raise ValueError("x must be 2-D")
+
+
+def test_an_init_false_field_that_post_init_does_not_set_is_split_and_merged() -> None:
+    seen: list[int] = []
+
+    def fn(batch: Validated) -> Validated:
+        seen.append(int(batch.aux.shape[0]))
+        out = Validated(batch.x * 2)
+        out.aux = batch.aux + 1
+        return out
+
+    batch = Validated(torch.ones(4, 2))
+    batch.aux = torch.zeros(4, 3)
+    out = _overlap(fn)(batch)
+    assert seen == [2, 2]
+    assert out.x.shape == (4, 2) and torch.equal(out.aux, torch.ones(4, 3))
+
+
+class PartialState(collections.UserDict):  # type: ignore[type-arg]
+    """Pickles only part of itself, like transformers' BatchEncoding."""
+
+    def __init__(self, data: Any = None, count: int | None = None) -> None:
+        super().__init__(data)
+        self.count = count
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data = state["data"]
+
+
+def test_attributes_left_out_of_the_pickle_state_survive_split_and_merge() -> None:
+    out = _overlap(lambda b: PartialState({"h": b["x"] * 2}, count=b.count))(
+        PartialState({"x": torch.ones(4, 2)}, count=7)
+    )
+    assert out.count == 7 and out["h"].shape == (4, 2)
+
+
+def test_an_exit_callback_registered_by_a_hook_at_the_end_still_runs() -> None:
+    ran: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        # Registered for the next ubatch; ubatch 1's hook runs in ubatch 0's thread...
+        dbo.register_recv_hook(lambda: dbo.at_ubatch_exit(lambda: ran.append(me)))
+        return x  # ...at ubatch 0's end (remaining hooks), after its exit callbacks
+
+    _overlap(fn)(torch.zeros(2))
+    assert sorted(ran) == [0, 1]
