@@ -140,16 +140,12 @@ def _wait_left_over(cell: list[CollectiveWork]) -> None:
         cell[0].wait(yield_first=False)
 
 
-def _protect(tensors: Sequence[torch.Tensor]) -> None:
+def _protect(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
     """Keep the CUDA caching allocator from reusing `tensors` before the ubatch's current
-    (comm) stream is past them. CPU tensors need nothing."""
-    stream = None
+    (comm) `stream` is past them. CPU tensors need nothing."""
     for tensor in tensors:
         if tensor.is_cuda:
-            if stream is None:
-                stream = dbo.current_stream()
-            if isinstance(stream, torch.cuda.Stream):
-                tensor.record_stream(stream)
+            tensor.record_stream(stream)
 
 
 def _run(
@@ -173,7 +169,7 @@ def _run(
     try:
         work = launch(ubatch_group, True)
         if on_cuda:
-            _protect(tensors)
+            _protect(tensors, dbo.current_stream())  # comm's, after the switch
         if async_op:
             handle = CollectiveWork(work, tensors, yields=True)
             # A handle the ubatch never waits is waited when it returns (no yield), so

@@ -51,6 +51,31 @@ class _BlockingKwargs(dict):
         return super().keys()
 
 
+def _close_mid_run(
+    runner: dbo.UBatchRunner,
+    caller: threading.Thread,
+    reached: threading.Event,
+    gate: threading.Event,
+    stopped: list[threading.Thread],
+    where: str,
+) -> bool:
+    """Once the run in `caller` is held at `where`, close the runner (it holds the run
+    lock, so close() gives up waiting), let the `stopped` workers end, release the run;
+    True if the caller is still running 3 s later. Always releases and unwedges."""
+    try:
+        assert reached.wait(5), f"the run never reached {where}"
+        runner.close(timeout_s=0.2)
+        for thread in stopped:
+            thread.join(2.0)
+        gate.set()
+        caller.join(3.0)
+        return caller.is_alive()
+    finally:
+        gate.set()
+        _unwedge(runner)
+        caller.join(2.0)
+
+
 # ------------------------------------------------- 1. close() racing a run's set-up
 @pytest.mark.timeout(20)
 def test_close_while_a_run_is_setting_up_does_not_hang_the_run() -> None:
@@ -73,18 +98,7 @@ def test_close_while_a_run_is_setting_up_does_not_hang_the_run() -> None:
 
     caller = threading.Thread(target=call, name=caller_name, daemon=True)
     caller.start()
-    try:
-        assert reached.wait(5), "the run never reached its set-up"
-        runner.close(timeout_s=0.2)  # the run holds the lock: close() gives up waiting
-        for thread in runner.threads:
-            thread.join(2.0)
-        gate.set()
-        caller.join(3.0)
-        hung = caller.is_alive()
-    finally:
-        gate.set()
-        _unwedge(runner)
-        caller.join(2.0)
+    hung = _close_mid_run(runner, caller, reached, gate, runner.threads, "its set-up")
     assert not hung, "run() waits forever for jobs handed to workers close() had stopped"
     # Finishing the run or refusing it (closed / aborted) are both fine.
     assert len(outcome) == 1
@@ -120,17 +134,10 @@ def test_close_while_jobs_are_being_submitted_does_not_hang_the_run(
             outcome.append(error)
 
     caller = _start_daemon(call)
-    try:
-        assert reached.wait(5), "the run never reached its second submit"
-        runner.close(timeout_s=0.2)
-        runner.threads[1].join(2.0)  # worker 1 has no job yet: stop() ends it
-        gate.set()
-        caller.join(3.0)
-        hung = caller.is_alive()
-    finally:
-        gate.set()
-        _unwedge(runner)
-        caller.join(2.0)
+    # Worker 1 has no job yet: stop() ends it.
+    hung = _close_mid_run(
+        runner, caller, reached, gate, runner.threads[1:], "its second submit"
+    )
     assert not hung, "run() waits forever for a job submitted to a stopped worker"
     assert len(outcome) == 1
 
