@@ -10,6 +10,7 @@ strings are leaves.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -36,8 +37,8 @@ class TreeSpec:
         self.keys = keys
         self.children = children
         self.template = template
-        """An instance to copy when rebuilding (dict subclasses, dataclasses that their
-        constructor cannot rebuild)."""
+        """The instance a rebuild starts from: dict and list subclasses, `UserDict`s and
+        dataclasses (their extra state, or what tells derived fields apart)."""
 
     def _key(self) -> tuple[Any, ...]:
         return (self.kind, self.node_type, self.keys, self.children)
@@ -143,13 +144,12 @@ def _shell_of(template: Any) -> Any:
     (`UserDict`) is copied with it (the caller empties the items). Attributes that the
     pickle state leaves out (`__getstate__` keeping only some) are copied over too.
     """
-    if getattr(type(template), "__copy__", None) is not None:
-        return copy.copy(template)
-    try:
-        reduced = template.__reduce_ex__(4)
-    except Exception:  # noqa: BLE001 - a type that refuses pickling may still copy
-        return copy.copy(template)
-    if isinstance(reduced, str):
+    reduced: Any = None
+    if getattr(type(template), "__copy__", None) is None:
+        # A type that refuses pickling may still copy.
+        with contextlib.suppress(Exception):
+            reduced = template.__reduce_ex__(4)
+    if not isinstance(reduced, tuple):
         return copy.copy(template)
     function, arguments, *rest = reduced
     shell = function(*arguments)
@@ -198,15 +198,10 @@ def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
         names = tuple(
             field.name
             for field in dataclasses.fields(value)
-            if exposed is None or field.name in exposed
+            if (exposed is None or field.name in exposed)
+            and hasattr(value, field.name)  # an init=False field may never be set
         )
-        missing = object()
-        values = [getattr(value, name, missing) for name in names]
-        if any(child is missing for child in values):  # an init=False field never set
-            present = [i for i, child in enumerate(values) if child is not missing]
-            names = tuple(names[i] for i in present)
-            values = [values[i] for i in present]
-        return "dataclass", type(value), names, values
+        return "dataclass", type(value), names, [getattr(value, name) for name in names]
     return None
 
 
