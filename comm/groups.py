@@ -157,7 +157,7 @@ def connect_now(group: dist.ProcessGroup) -> None:
     )
     probe = torch.zeros(1, device=device)
     dist.all_reduce(probe, group=group)
-    torch.cuda.current_stream().synchronize()
+    torch.cuda.current_stream(probe.device).synchronize()
 
 
 _registry = UBatchGroupRegistry()
