@@ -82,9 +82,13 @@ def require_contiguous(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def backend_is_nccl(group: dist.ProcessGroup) -> bool:
+    return group.name().lower() == "nccl"
+
+
 def require_backend_device(group: dist.ProcessGroup, name: str, tensor: torch.Tensor) -> None:
     """NCCL moves CUDA tensors only; say so before launching rather than inside NCCL."""
-    if not tensor.is_cuda and group.name().lower() == "nccl":
+    if not tensor.is_cuda and backend_is_nccl(group):
         raise ValueError(
             f"{name} is on {tensor.device} but the group's backend is nccl, which needs CUDA "
             "tensors; move it with .cuda() or use a gloo group for CPU tensors"

@@ -173,12 +173,34 @@ def _shell_of(template: Any) -> Any:
     return shell
 
 
+_leaf_types: set[type] = set()
+"""Types seen to be leaves (tensors, numbers, strings, modules): every test in `children`
+depends on the type alone, so once a type is a leaf it is answered by one set lookup."""
+_MAX_LEAF_TYPES = 4096
+
+
 def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
     """(kind, type, keys, child values) of a container node, or None for a leaf.
 
     Dataclasses expose all their fields, except those `__post_init__` derives (see
     `_derived_by_post_init` and `_rebuild_dataclass`).
     """
+    value_type = type(value)
+    if value_type in _leaf_types:
+        return None
+    if value_type is tuple or value_type is list:
+        return value_type.__name__, value_type, tuple(range(len(value))), list(value)
+    if value_type is dict:
+        keys = tuple(value.keys())
+        return "dict", dict, keys, [value[key] for key in keys]
+    described = _described_container(value)
+    if described is None and len(_leaf_types) < _MAX_LEAF_TYPES:
+        _leaf_types.add(value_type)
+    return described
+
+
+def _described_container(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
+    """`children` for the types its fast paths do not cover."""
     if _is_namedtuple(value):
         return "namedtuple", type(value), tuple(type(value)._fields), list(value)
     if _is_structseq(value):

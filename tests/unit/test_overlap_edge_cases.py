@@ -128,6 +128,39 @@ def test_a_thread_count_changed_inside_fn_does_not_leak_into_the_next_run() -> N
         torch.set_num_threads(before)
 
 
+def test_a_grad_mode_left_changed_by_fn_does_not_leak_into_the_next_run() -> None:
+    """Workers enter only the settings that differ from their own state: a grad mode
+    that `fn` changed for good (the function-call form, no `with`) is set right again."""
+    seen: list[bool] = []
+
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_grad_enabled())
+        torch.set_grad_enabled(not torch.is_grad_enabled())
+        return x
+
+    _overlap(leaky)(torch.zeros(4))
+    _overlap(leaky)(torch.zeros(4))
+    with torch.no_grad():
+        _overlap(leaky)(torch.zeros(4))
+    _overlap(leaky)(torch.zeros(4))
+    assert seen == [True] * 4 + [False] * 2 + [True] * 2
+    assert torch.is_grad_enabled()
+
+
+def test_the_cheap_default_device_agrees_with_torch() -> None:
+    from dbo._thread_settings import default_device
+
+    assert default_device() == torch.get_default_device() == torch.device("cpu")
+    with torch.device("meta"):
+        assert default_device() == torch.get_default_device() == torch.device("meta")
+    torch.set_default_device("meta")
+    try:
+        assert default_device() == torch.get_default_device() == torch.device("meta")
+    finally:
+        torch.set_default_device(None)
+    assert default_device() == torch.device("cpu")
+
+
 def test_torch_func_transforms_run_inline_and_stay_correct() -> None:
     calls: list[bool] = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -108,3 +109,20 @@ def test_default_split_matches_tensor_split_and_shares_memory() -> None:
         assert torch.equal(args[0], expected) and args[1] == 3
         assert torch.equal(kwargs["y"], expected[:, 0])
         assert args[0].data_ptr() == expected.data_ptr()  # views, not copies
+
+
+def test_the_leaf_type_cache_is_bounded_and_does_not_change_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dbo import _pytree
+
+    monkeypatch.setattr(_pytree, "_leaf_types", set())
+    monkeypatch.setattr(_pytree, "_MAX_LEAF_TYPES", 3)
+    leaf_types = [type(f"Leaf{i}", (), {}) for i in range(5)]
+    for _ in range(2):  # the second pass answers from the cache where it can
+        for leaf_type in leaf_types:
+            assert _pytree.children(leaf_type()) is None
+        assert _pytree.children(torch.zeros(2)) is None
+        assert _pytree.children((1, 2))[0] == "tuple"
+        assert _pytree.children(collections.OrderedDict(a=1))[0] == "dict"
+    assert len(_pytree._leaf_types) == 3

@@ -1,0 +1,181 @@
+"""Host time dbo and comm add per call, against the bare operations in the same run.
+
+    taskset -c 0 .venv/bin/python benchmarks/host_overhead.py [--calls 2000] [--rounds 7]
+
+On a GPU the host only launches kernels; when it cannot stay ahead of them (small decode
+steps, many layers), every microsecond the runtime spends per collective or per overlap
+call is step time. This measures those microseconds on the host, in one process (a gloo
+world of one: a collective is a local copy, so what is timed is the Python and c10d
+path, not a transfer):
+
+  collective, outside an overlap:  `comm.all_to_all_single` vs `dist.all_to_all_single`
+  collective, inside an overlap:   2 ubatches, each call one handoff:
+                                   `comm.all_to_all_single` vs `dist` async + `dbo.yield_()`
+                                   + `wait()` (the same schedule written by hand)
+  overlap call:                    `dbo.overlap(identity)` on 2 ubatches vs the floor of
+                                   any thread-per-ubatch runtime: two persistent threads
+                                   woken and joined with `_thread` locks, plus the same
+                                   split (`tensor_split`) and merge (`torch.cat`)
+
+Rounds interleave the variants; the table shows medians (us per call) and the
+difference. Pin to one core (`taskset -c 0`): a handoff that wakes a thread on the
+other core costs several times more on a 2-core VM and would swamp the differences.
+"""
+
+from __future__ import annotations
+
+import _thread
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import comm  # noqa: E402
+import dbo  # noqa: E402
+
+
+def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+class BareThreads:
+    """Two persistent threads, each started and joined per call through `_thread` locks:
+    what any runtime running each ubatch in its own thread pays per call, at least."""
+
+    def __init__(self, body: Callable[[int], Any]) -> None:
+        self._body = body
+        self._start = [_thread.allocate_lock(), _thread.allocate_lock()]
+        self._turn = [_thread.allocate_lock(), _thread.allocate_lock()]
+        self._done = [_thread.allocate_lock(), _thread.allocate_lock()]
+        for lock in (*self._start, *self._turn, *self._done):
+            lock.acquire()
+        self.results: list[Any] = [None, None]
+        for me in (0, 1):
+            threading.Thread(target=self._loop, args=(me,), daemon=True).start()
+
+    def run(self) -> list[Any]:
+        for lock in self._start:
+            lock.release()
+        self._turn[0].release()
+        for lock in self._done:
+            if not lock.acquire(timeout=30):
+                raise RuntimeError("a benchmark thread did not finish in 30 s")
+        return self.results
+
+    def handoff(self, me: int) -> None:
+        """What `dbo.yield_()` does: wake the other thread, park until it hands back."""
+        self._turn[1 - me].release()
+        self._turn[me].acquire()
+
+    def _loop(self, me: int) -> None:
+        torch.set_num_threads(1)
+        while True:
+            self._start[me].acquire()
+            self._turn[me].acquire()
+            self.results[me] = self._body(me)
+            if me == 0:
+                self._turn[1].release()  # ubatch 0 is done: ubatch 1's turn
+            self._done[me].release()
+
+
+def collective_rows(calls: int, rounds: int) -> list[tuple[str, float, float]]:
+    """(label, comm us/call, bare us/call) for one collective outside and inside."""
+    x = torch.randn(8, 16)
+    out = torch.empty_like(x)
+    groups = comm.ubatch_groups(None, 2)  # the duplicates comm uses inside an overlap
+
+    def raw_inside() -> None:
+        group = groups[dbo.current_ubatch_id()]
+        for _ in range(calls):
+            handle = dist.all_to_all_single(out_local(), x, group=group, async_op=True)
+            dbo.yield_()
+            handle.wait()
+
+    def comm_inside() -> None:
+        for _ in range(calls):
+            comm.all_to_all_single(out_local(), x)
+
+    outs = [torch.empty_like(x), torch.empty_like(x)]
+
+    def out_local() -> torch.Tensor:
+        return outs[dbo.current_ubatch_id()]
+
+    samples: dict[str, list[float]] = {name: [] for name in ("dist", "comm", "raw in", "comm in")}
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+        inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {}), ((), {})]
+        for _ in range(rounds):
+            samples["dist"].append(
+                _per_call_us(lambda: dist.all_to_all_single(out, x), calls)
+            )
+            samples["comm"].append(_per_call_us(lambda: comm.all_to_all_single(out, x), calls))
+            start = time.perf_counter()
+            runner.run(raw_inside, inputs)
+            samples["raw in"].append((time.perf_counter() - start) / (2 * calls) * 1e6)
+            start = time.perf_counter()
+            runner.run(comm_inside, inputs)
+            samples["comm in"].append((time.perf_counter() - start) / (2 * calls) * 1e6)
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    return [
+        ("all_to_all_single, outside an overlap", median["comm"], median["dist"]),
+        ("all_to_all_single, inside (1 handoff each)", median["comm in"], median["raw in"]),
+    ]
+
+
+def overlap_call_row(calls: int, rounds: int) -> tuple[str, float, float]:
+    """(label, dbo.overlap us/call, bare threads + split + merge us/call)."""
+    x = torch.randn(64, 16)
+    parts: list[torch.Tensor] = []
+    bare = BareThreads(lambda me: parts[me])
+
+    def bare_call() -> torch.Tensor:
+        parts[:] = x.tensor_split(2)
+        return torch.cat(bare.run())
+
+    overlapped = dbo.overlap(lambda t: t)
+    samples: dict[str, list[float]] = {"dbo": [], "bare": []}
+    _per_call_us(lambda: overlapped(x), 100)  # warm up: the runner's threads start
+    _per_call_us(bare_call, 100)
+    for _ in range(rounds):
+        samples["dbo"].append(_per_call_us(lambda: overlapped(x), calls))
+        samples["bare"].append(_per_call_us(bare_call, calls))
+    return (
+        "dbo.overlap(identity), 2 ubatches",
+        statistics.median(samples["dbo"]),
+        statistics.median(samples["bare"]),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per timed sample")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    comm.init_distributed(backend="gloo", allow_single_process=True)
+    try:
+        for _ in range(2):  # warm up: first calls build caches, threads, groups
+            rows = collective_rows(max(args.calls // 10, 1), 1)
+        rows = collective_rows(args.calls, args.rounds)
+        rows.append(overlap_call_row(args.calls, args.rounds))
+    finally:
+        comm.destroy_distributed()
+    print(f"host us per call (median of {args.rounds} interleaved rounds of {args.calls} calls)")
+    print(f"{'':<44}{'dbo/comm':>9}{'bare':>8}{'added':>8}")
+    for label, ours, bare_us in rows:
+        print(f"{label:<44}{ours:9.1f}{bare_us:8.1f}{ours - bare_us:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
