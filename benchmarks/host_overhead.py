@@ -1,6 +1,6 @@
 """Host time dbo and comm add per call, against the bare operations in the same run.
 
-    taskset -c 0 .venv/bin/python benchmarks/host_overhead.py [--calls 2000] [--rounds 7]
+    taskset -c 0 .venv/bin/python benchmarks/host_overhead.py [--calls 300] [--rounds 31]
 
 On a GPU the host only launches kernels; when it cannot stay ahead of them (small decode
 steps, many layers), every microsecond the runtime spends per collective or per overlap
@@ -17,9 +17,10 @@ path, not a transfer):
                                    woken and joined with `_thread` locks, plus the same
                                    split (`tensor_split`) and merge (`torch.cat`)
 
-Rounds interleave the variants; the table shows medians (us per call) and the
-difference. Pin to one core (`taskset -c 0`): a handoff that wakes a thread on the
-other core costs several times more on a 2-core VM and would swamp the differences.
+Rounds interleave the variants; the table shows medians (us per call) and "added",
+the median over rounds of each round's difference (paired, so the host's drift
+cancels). Pin to one core (`taskset -c 0`): a handoff that wakes a thread on the other
+core costs several times more on a 2-core VM and would swamp the differences.
 """
 
 from __future__ import annotations
@@ -90,8 +91,19 @@ class BareThreads:
             self._done[me].release()
 
 
-def collective_rows(calls: int, rounds: int) -> list[tuple[str, float, float]]:
-    """(label, comm us/call, bare us/call) for one collective outside and inside."""
+Row = tuple[str, float, float, float]
+"""(label, ours us/call, bare us/call, added us/call)."""
+
+
+def _row(label: str, ours: list[float], bare: list[float]) -> Row:
+    """Medians, and the median of the per-round differences (paired: a round's host
+    load is the same for both, so this moves less than the difference of medians)."""
+    added = statistics.median(a - b for a, b in zip(ours, bare))
+    return label, statistics.median(ours), statistics.median(bare), added
+
+
+def collective_rows(calls: int, rounds: int) -> list[Row]:
+    """One row for a collective outside an overlap, one for inside."""
     x = torch.randn(8, 16)
     out = torch.empty_like(x)
     groups = comm.ubatch_groups(None, 2)  # the duplicates comm uses inside an overlap
@@ -126,15 +138,14 @@ def collective_rows(calls: int, rounds: int) -> list[tuple[str, float, float]]:
             start = time.perf_counter()
             runner.run(comm_inside, inputs)
             samples["comm in"].append((time.perf_counter() - start) / (2 * calls) * 1e6)
-    median = {name: statistics.median(values) for name, values in samples.items()}
     return [
-        ("all_to_all_single, outside an overlap", median["comm"], median["dist"]),
-        ("all_to_all_single, inside (1 handoff each)", median["comm in"], median["raw in"]),
+        _row("all_to_all_single, outside an overlap", samples["comm"], samples["dist"]),
+        _row("all_to_all_single, inside (1 handoff each)", samples["comm in"], samples["raw in"]),
     ]
 
 
-def overlap_call_row(calls: int, rounds: int) -> tuple[str, float, float]:
-    """(label, dbo.overlap us/call, bare threads + split + merge us/call)."""
+def overlap_call_row(calls: int, rounds: int) -> Row:
+    """`dbo.overlap` against bare threads + the same split and merge."""
     x = torch.randn(64, 16)
     parts: list[torch.Tensor] = []
     bare = BareThreads(lambda me: parts[me])
@@ -150,17 +161,13 @@ def overlap_call_row(calls: int, rounds: int) -> tuple[str, float, float]:
     for _ in range(rounds):
         samples["dbo"].append(_per_call_us(lambda: overlapped(x), calls))
         samples["bare"].append(_per_call_us(bare_call, calls))
-    return (
-        "dbo.overlap(identity), 2 ubatches",
-        statistics.median(samples["dbo"]),
-        statistics.median(samples["bare"]),
-    )
+    return _row("dbo.overlap(identity), 2 ubatches", samples["dbo"], samples["bare"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=2000, help="calls per timed sample")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    parser.add_argument("--calls", type=int, default=300, help="calls per timed sample")
+    parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds")
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm.init_distributed(backend="gloo", allow_single_process=True)
@@ -171,10 +178,10 @@ def main() -> None:
         rows.append(overlap_call_row(args.calls, args.rounds))
     finally:
         comm.destroy_distributed()
-    print(f"host us per call (median of {args.rounds} interleaved rounds of {args.calls} calls)")
+    print(f"host us per call (medians of {args.rounds} interleaved rounds of {args.calls} calls)")
     print(f"{'':<44}{'dbo/comm':>9}{'bare':>8}{'added':>8}")
-    for label, ours, bare_us in rows:
-        print(f"{label:<44}{ours:9.1f}{bare_us:8.1f}{ours - bare_us:8.1f}")
+    for label, ours, bare_us, added in rows:
+        print(f"{label:<44}{ours:9.1f}{bare_us:8.1f}{added:8.1f}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ collective is left half-matched on the others. Errors say what was passed and th
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,12 +22,24 @@ NOT_INITIALIZED_MESSAGE = (
 )
 
 
+_member_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+"""Groups this rank was found to be a member of (membership never changes)."""
+
+
 def resolve_group(group: Any) -> dist.ProcessGroup:
     """The process group a collective runs on: `group`, or the default group for None.
 
     Raises RuntimeError when torch.distributed is not initialized, TypeError for a
     non-group, ValueError when this rank is not a member of `group`.
     """
+    # Fast paths (every collective resolves its group): the default group of an
+    # initialized world, or a group this rank was already found to be a member of.
+    if group is None:
+        world = dist.GroupMember.WORLD if dist.is_available() else None
+        if world is not None:
+            return world
+    elif group in _member_groups:
+        return group
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(NOT_INITIALIZED_MESSAGE)
     if group is None:
@@ -48,6 +61,7 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
             f"(ranks {dist.get_process_group_ranks(group)}); call the collective only on its "
             "members"
         )
+    _member_groups.add(group)
     return group
 
 

@@ -32,7 +32,7 @@ def current_ubatch_id() -> int:
 
 def enabled() -> bool:
     """True in a ubatch thread of a running overlap; False everywhere else."""
-    return current_context() is not None
+    return _state.context is not None
 
 
 def num_ubatches() -> int:
@@ -47,9 +47,10 @@ def yield_() -> None:
     Returns at once when this is the only live ubatch. Raises `UBatchAbortedError` if the
     overlap is being aborted (another ubatch failed). Outside an overlap: no-op.
     """
-    run, ubatch_id = _run_and_id()
-    if run is not None:
-        run.baton.yield_(ubatch_id)
+    # Read directly (no helper call): this runs at every yield point of every ubatch.
+    context = _state.context
+    if context is not None and context.scheduler is not None:
+        context.scheduler.baton.yield_(context.ubatch_id)
 
 
 def switch_to_comm() -> None:
@@ -103,8 +104,10 @@ def current_stream() -> Any:
 
     Outside an overlap: None (use the device's current stream).
     """
-    run, ubatch_id = _run_and_id()
-    return None if run is None else run.current_stream(ubatch_id)
+    context = _state.context  # read directly: every collective asks
+    if context is None or context.scheduler is None:
+        return None
+    return context.scheduler.current_stream(context.ubatch_id)
 
 
 def on_comm_stream() -> bool:
