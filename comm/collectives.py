@@ -40,6 +40,7 @@ a) cannot be checked locally; `comm.moe.dispatch` exchanges counts so it always 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ from comm._checks import (
     resolve_group,
 )
 from comm.groups import group_registry
+from dbo import tracing
 
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
@@ -94,14 +96,24 @@ class CollectiveWork:
     stream of its own that only a wait connects to them.
     """
 
-    __slots__ = ("_work", "_tensors", "_yields", "_done", "_exit_cell")
+    __slots__ = ("_work", "_tensors", "_yields", "_done", "_exit_cell", "_name", "_track")
 
-    def __init__(self, work: Any, tensors: Sequence[torch.Tensor], yields: bool) -> None:
+    def __init__(
+        self,
+        work: Any,
+        tensors: Sequence[torch.Tensor],
+        yields: bool,
+        name: str = "collective",
+        track: int = tracing.CALLER,
+    ) -> None:
         self._work = work
         self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
         self._yields = yields
         self._done = False
         self._exit_cell: list[CollectiveWork] = []
+        self._name = name
+        self._track = track
+        """The timeline track of its waits: the launching ubatch, or the caller."""
 
     @property
     def work(self) -> Any:
@@ -126,7 +138,7 @@ class CollectiveWork:
         try:
             if self._yields and yield_first and dbo.enabled():
                 dbo.yield_()
-            self._work.wait()
+            _blocking(self._work.wait, self._name, self._track)
         finally:
             self._tensors = ()
             self._exit_cell.clear()
@@ -142,6 +154,20 @@ def _wait_left_over(cell: list[CollectiveWork]) -> None:
         cell[0].wait(yield_first=False)
 
 
+def _blocking(wait: Callable[[], Any], name: str, track: int) -> None:
+    """`wait()` (the host blocks until the collective is done), recorded on the timeline
+    as "wait <name>" when a `dbo.trace()` is active."""
+    recording = tracing.active()
+    if recording is None:
+        wait()
+        return
+    start = time.perf_counter()
+    try:
+        wait()
+    finally:
+        recording.add(f"wait {name}", track, start, time.perf_counter())
+
+
 def _protect(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
     """Keep the CUDA caching allocator from reusing `tensors` before the ubatch's current
     (comm) `stream` is past them. CPU tensors need nothing."""
@@ -151,6 +177,7 @@ def _protect(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None
 
 
 def _run(
+    name: str,
     launch: _Launch,
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
@@ -159,9 +186,12 @@ def _run(
     """Launch a checked collective, DBO-aware inside an overlap (module docstring)."""
     stream = dbo.current_stream()  # None outside an overlap
     if stream is None:
-        work = launch(group, async_op)
-        return CollectiveWork(work, tensors, yields=False) if async_op else None
-    ubatch_group = _registry.lookup(group, dbo.current_ubatch_id())
+        if async_op:
+            return CollectiveWork(launch(group, True), tensors, yields=False, name=name)
+        _blocking(lambda: launch(group, False), name, tracing.CALLER)
+        return None
+    ubatch_id = dbo.current_ubatch_id()
+    ubatch_group = _registry.lookup(group, ubatch_id)
     # On the CPU backend streams are bookkeeping only and the collective completes on
     # the host: no stream to move to, nothing to protect (the same yields either way).
     on_cuda = isinstance(stream, torch.cuda.Stream)
@@ -173,7 +203,7 @@ def _run(
         if on_cuda:
             _protect(tensors, dbo.current_stream())  # comm's, after the switch
         if async_op:
-            handle = CollectiveWork(work, tensors, yields=True)
+            handle = CollectiveWork(work, tensors, yields=True, name=name, track=ubatch_id)
             # A handle the ubatch never waits is waited when it returns (no yield), so
             # that the end of the overlap covers the collective. The callback holds the
             # handle through a cell that wait() empties: a waited handle (its Work and
@@ -182,7 +212,7 @@ def _run(
             dbo.at_ubatch_exit(functools.partial(_wait_left_over, handle._exit_cell))
             return handle
         dbo.yield_()  # the other ubatches run while this transfer is in flight
-        work.wait()
+        _blocking(work.wait, name, ubatch_id)
         return None
     finally:
         if switched:
@@ -286,7 +316,7 @@ def all_to_all_single(
             async_op=launch_async,
         )
 
-    return _run(launch, (output, input), base, async_op)
+    return _run("all_to_all_single", launch, (output, input), base, async_op)
 
 
 def all_reduce(
@@ -313,7 +343,7 @@ def all_reduce(
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
         return dist.all_reduce(tensor, op=op, group=process_group, async_op=launch_async)
 
-    return _run(launch, (tensor,), base, async_op)
+    return _run("all_reduce", launch, (tensor,), base, async_op)
 
 
 def all_gather_into_tensor(
@@ -340,7 +370,7 @@ def all_gather_into_tensor(
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
         return _all_gather_single(output, input, group=process_group, async_op=launch_async)
 
-    return _run(launch, (output, input), base, async_op)
+    return _run("all_gather_into_tensor", launch, (output, input), base, async_op)
 
 
 def reduce_scatter_tensor(
@@ -371,4 +401,4 @@ def reduce_scatter_tensor(
             output, input, op=op, group=process_group, async_op=launch_async
         )
 
-    return _run(launch, (output, input), base, async_op)
+    return _run("reduce_scatter_tensor", launch, (output, input), base, async_op)

@@ -43,9 +43,11 @@ from dbo.split import (
     default_split,
     merge_parts,
 )
+from dbo.tracing import Trace, trace
 
 __all__ = [
     "OverlapTimeoutError",
+    "Trace",
     "TokenSplit",
     "UBatchAbortedError",
     "UBatchRunner",
@@ -65,6 +67,7 @@ __all__ = [
     "register_recv_hook",
     "switch_to_comm",
     "switch_to_compute",
+    "trace",
     "yield_",
     "yield_and_switch_to_comm",
     "yield_and_switch_to_compute",

@@ -17,6 +17,7 @@ import contextlib
 import threading
 import time
 
+from dbo import tracing
 from dbo.errors import UBatchAbortedError
 
 
@@ -106,8 +107,12 @@ class Baton:
             successor = self._next_live(ubatch_id)
             if successor == ubatch_id:
                 return
+            now = time.perf_counter()
+            recording = tracing._active
+            if recording is not None:
+                recording.add("baton", ubatch_id, self.holder_since, now)
             self.holder = successor
-            self.holder_since = time.perf_counter()
+            self.holder_since = now
             self.num_handoffs += 1
         finally:
             mutex.release()
@@ -126,6 +131,9 @@ class Baton:
     def finish(self, ubatch_id: int) -> None:
         """`ubatch_id` is done: pass the baton on, or signal the caller if it was the last."""
         with self._mutex:
+            recording = tracing._active
+            if recording is not None and self.holder == ubatch_id:
+                recording.add("baton", ubatch_id, self.holder_since, time.perf_counter())
             self._live[ubatch_id] = False
             self._num_live -= 1
             if self._num_live == 0:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 import torch
 
+from dbo import tracing
 from dbo._context import current_context
 from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout
 from dbo.split import (
@@ -217,6 +219,8 @@ def overlap(
             # Nested: no ubatches inside a ubatch. A torch.func transform (grad, vmap)
             # lives in this thread's interpreter stack, which ubatch threads do not see.
             return inline(args, kwargs)
+        recording = tracing._active
+        start = time.perf_counter() if recording is not None else 0.0
         leaves = splittable_leaves(args, kwargs)
         size = batch_size_of(leaves) if split is None else _largest_size(leaves)
         if decision_group is not None:
@@ -224,7 +228,10 @@ def overlap(
         if size is None or size < num_ubatches or (
             min_batch_size is not None and size < min_batch_size
         ):
-            return inline(args, kwargs)
+            output = inline(args, kwargs)
+            if recording is not None:
+                recording.add("dbo.overlap inline", tracing.CALLER, start, time.perf_counter())
+            return output
         # The default split's size check already ran above (batch_size_of).
         parts = split_parts(args, kwargs, num_ubatches) if split is None else split(
             args, kwargs, num_ubatches
@@ -234,7 +241,10 @@ def overlap(
         )
         with _runner_pool.lease(num_ubatches, resolved_device) as runner:
             outputs = runner.run(target, parts, timeout_s=timeout_s, device=run_device)
-        return (merge or default_merge)(outputs)
+        output = (merge or default_merge)(outputs)
+        if recording is not None:
+            recording.add("dbo.overlap", tracing.CALLER, start, time.perf_counter())
+        return output
 
     if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
         functools.update_wrapper(overlapped, fn, updated=())

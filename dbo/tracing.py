@@ -1,0 +1,191 @@
+"""A host-side timeline of overlapped calls: when each ubatch held the baton, and when
+its thread sat blocked waiting for a collective.
+
+    with dbo.trace() as timeline:
+        for _ in range(10):
+            step(x)
+    print(timeline.summary())             # per ubatch: turns, baton time, blocked time
+    timeline.save("dbo_trace.json")       # open in https://ui.perfetto.dev or chrome://tracing
+
+What is recorded (host clocks, `time.perf_counter`):
+  - "baton": a span per turn, from the moment a ubatch got the baton to the moment it
+    handed it on (or finished): the time its thread ran Python and launched work;
+  - "wait <collective>": the part of a turn a `comm` collective's `wait()` blocked the
+    host (gloo blocks; NCCL's wait only orders streams and returns at once), i.e.
+    communication the overlap did not hide; outside an overlap too (track "caller");
+  - "dbo.overlap": each overlapped call on the caller's thread, split and merge
+    included ("dbo.overlap inline" for a call that ran `fn` on the whole batch).
+
+A turn minus its waits is host work: when the baton is always held and the waits are
+short, the host is the bottleneck (CPU-bound, or a GPU the host cannot keep fed). GPU
+kernels are not on this timeline; use `torch.profiler` for those.
+
+Cost: while no trace is active, one module attribute read per handoff and per
+collective. One trace at a time per process; each process (rank) records its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+CALLER = -1
+"""The `ubatch_id` of spans recorded outside a ubatch thread (the caller's thread)."""
+
+DEFAULT_MAX_SPANS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval of the timeline (seconds on the `time.perf_counter` clock)."""
+
+    name: str
+    ubatch_id: int
+    """The ubatch whose thread it belongs to; `CALLER` for the caller's thread."""
+    start_s: float
+    end_s: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass(frozen=True)
+class UBatchTotals:
+    """What one ubatch (or the caller, `CALLER`) did over a trace."""
+
+    turns: int
+    """How many times it got the baton."""
+    baton_s: float
+    """Total time it held the baton."""
+    blocked_s: float
+    """Total time its thread was blocked in collective waits."""
+    waits: int
+
+
+class Trace:
+    """The spans recorded while a `dbo.trace()` block was active."""
+
+    def __init__(self, max_spans: int = DEFAULT_MAX_SPANS) -> None:
+        if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1:
+            raise ValueError(f"max_spans must be an int >= 1, got {max_spans!r}")
+        self.max_spans = max_spans
+        self.spans: list[Span] = []
+        self.dropped = 0
+        """Spans not kept because `max_spans` were already recorded."""
+        self.start_s = time.perf_counter()
+        self.end_s: float | None = None
+
+    def add(self, name: str, ubatch_id: int, start_s: float, end_s: float) -> None:
+        # list.append is atomic under the GIL; ubatch threads record one at a time
+        # (the baton), the caller's thread while they are parked or done.
+        if len(self.spans) < self.max_spans:
+            self.spans.append(Span(name, ubatch_id, start_s, end_s))
+        else:
+            self.dropped += 1
+
+    # ------------------------------------------------------------------ reading
+    def totals(self) -> dict[int, UBatchTotals]:
+        """Per ubatch id (and `CALLER` if it has waits): turns, baton and blocked time."""
+        turns: dict[int, int] = {}
+        baton: dict[int, float] = {}
+        blocked: dict[int, float] = {}
+        waits: dict[int, int] = {}
+        for span in self.spans:
+            key = span.ubatch_id
+            if span.name == "baton":
+                turns[key] = turns.get(key, 0) + 1
+                baton[key] = baton.get(key, 0.0) + span.duration_s
+            elif span.name.startswith("wait "):
+                waits[key] = waits.get(key, 0) + 1
+                blocked[key] = blocked.get(key, 0.0) + span.duration_s
+        return {
+            key: UBatchTotals(
+                turns.get(key, 0), baton.get(key, 0.0), blocked.get(key, 0.0), waits.get(key, 0)
+            )
+            for key in sorted(set(turns) | set(waits))
+        }
+
+    def summary(self) -> str:
+        """A small table: per ubatch, turns, baton time, blocked time, and the calls."""
+        calls = [span for span in self.spans if span.name == "dbo.overlap"]
+        inline = sum(1 for span in self.spans if span.name == "dbo.overlap inline")
+        lines = [
+            f"{len(calls)} overlapped call(s), {sum(s.duration_s for s in calls) * 1e3:.2f} ms "
+            f"in them (host clock); {inline} call(s) ran inline",
+            f"{'':<10}{'turns':>7}{'baton ms':>10}{'blocked ms':>12}{'waits':>7}",
+        ]
+        for key, total in self.totals().items():
+            label = "caller" if key == CALLER else f"ubatch {key}"
+            lines.append(
+                f"{label:<10}{total.turns:>7}{total.baton_s * 1e3:>10.2f}"
+                f"{total.blocked_s * 1e3:>12.2f}{total.waits:>7}"
+            )
+        if self.dropped:
+            lines.append(f"({self.dropped} spans dropped past max_spans={self.max_spans})")
+        return "\n".join(lines)
+
+    def to_chrome_trace(self, process_name: str | None = None) -> dict[str, Any]:
+        """The Chrome trace-event JSON object (Perfetto and chrome://tracing read it):
+        one track per ubatch thread and one for the caller, times in us from the start."""
+        pid = os.getpid()
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+             "args": {"name": process_name or f"dbo (pid {pid})"}},
+        ]
+        for key in sorted({span.ubatch_id for span in self.spans}):
+            events.append({
+                "ph": "M", "name": "thread_name", "pid": pid, "tid": key + 1,
+                "args": {"name": "caller" if key == CALLER else f"ubatch {key}"},
+            })
+        for span in self.spans:
+            events.append({
+                "ph": "X", "name": span.name, "cat": "dbo", "pid": pid,
+                "tid": span.ubatch_id + 1,
+                "ts": (span.start_s - self.start_s) * 1e6,
+                "dur": span.duration_s * 1e6,
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save(self, path: str | os.PathLike[str], process_name: str | None = None) -> None:
+        """Write `to_chrome_trace()` to `path` (JSON)."""
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_chrome_trace(process_name), file)
+
+
+_active: Trace | None = None
+"""The trace being recorded, read by the baton and `comm` at every handoff and wait."""
+_lock = threading.Lock()
+
+
+def active() -> Trace | None:
+    """The trace being recorded in this process, if any."""
+    return _active
+
+
+@contextmanager
+def trace(max_spans: int = DEFAULT_MAX_SPANS) -> Iterator[Trace]:
+    """Record the timeline of every overlap (and `comm` wait) in this process during the
+    block; yields the `Trace`, complete once the block exits.
+
+    One trace at a time: starting a second while one is active raises RuntimeError.
+    Past `max_spans` spans, further ones are counted in `Trace.dropped`, not kept.
+    """
+    global _active
+    recording = Trace(max_spans)
+    with _lock:
+        if _active is not None:
+            raise RuntimeError("a dbo.trace() is already recording in this process")
+        _active = recording
+    try:
+        yield recording
+    finally:
+        with _lock:
+            _active = None
+        recording.end_s = time.perf_counter()

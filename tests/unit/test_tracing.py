@@ -1,0 +1,116 @@
+"""dbo.trace(): the host-side timeline of overlaps and collective waits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import comm
+import dbo
+from dbo import tracing
+
+TIMEOUT_S = 30.0
+
+
+def _yielding(num_yields: int):  # type: ignore[no-untyped-def]
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(num_yields):
+            x = x + 1
+            dbo.yield_()
+        return x
+
+    return dbo.overlap(fn, timeout_s=TIMEOUT_S)
+
+
+def test_each_turn_is_a_span_and_turns_never_overlap() -> None:
+    step = _yielding(3)
+    with dbo.trace() as timeline:
+        step(torch.zeros(4))
+    turns = sorted(
+        (span for span in timeline.spans if span.name == "baton"), key=lambda s: s.start_s
+    )
+    # 3 yields each: 4 turns per ubatch, alternating 0, 1, 0, 1, ...
+    assert [span.ubatch_id for span in turns] == [0, 1] * 4
+    for earlier, later in zip(turns, turns[1:]):
+        assert earlier.end_s <= later.start_s  # one holder at a time
+    (call,) = [span for span in timeline.spans if span.name == "dbo.overlap"]
+    assert call.ubatch_id == tracing.CALLER
+    assert call.start_s <= turns[0].start_s and turns[-1].end_s <= call.end_s
+    totals = timeline.totals()
+    assert totals[0].turns == totals[1].turns == 4
+    assert totals[0].blocked_s == 0.0
+    assert 0 < totals[0].baton_s + totals[1].baton_s <= call.duration_s
+
+
+def test_nothing_is_recorded_outside_the_block_and_traces_do_not_nest() -> None:
+    step = _yielding(1)
+    with dbo.trace() as timeline:
+        assert tracing.active() is timeline
+        with pytest.raises(RuntimeError, match="already recording"), dbo.trace():
+            pass
+        step(torch.zeros(4))
+    recorded = len(timeline.spans)
+    step(torch.zeros(4))
+    assert tracing.active() is None
+    assert len(timeline.spans) == recorded > 0
+    assert timeline.end_s is not None
+
+
+def test_an_inline_call_is_recorded_as_inline() -> None:
+    step = dbo.overlap(lambda x: x * 2, min_batch_size=100)
+    with dbo.trace() as timeline:
+        step(torch.zeros(4))
+    assert [span.name for span in timeline.spans] == ["dbo.overlap inline"]
+    assert "1 call(s) ran inline" in timeline.summary()
+
+
+def test_spans_past_max_spans_are_counted_not_kept() -> None:
+    step = _yielding(5)
+    with dbo.trace(max_spans=3) as timeline:
+        step(torch.zeros(4))
+    assert len(timeline.spans) == 3
+    assert timeline.dropped == 2 * 6 + 1 - 3  # 12 turns and the call
+    assert "dropped" in timeline.summary()
+    with pytest.raises(ValueError, match="max_spans"):
+        dbo.Trace(max_spans=0)
+
+
+def test_collective_waits_are_recorded_on_their_ubatch_and_the_caller(
+    world_of_one: None,
+) -> None:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(x)
+        handle = comm.all_reduce(x, async_op=True)
+        assert handle is not None
+        handle.wait()
+        return x
+
+    with dbo.trace() as timeline:
+        dbo.overlap(body, timeout_s=TIMEOUT_S)(torch.ones(4))
+        comm.all_reduce(torch.ones(2))
+    waits = [(span.name, span.ubatch_id) for span in timeline.spans if span.name.startswith("wait")]
+    assert sorted(waits) == sorted(
+        [("wait all_reduce", 0)] * 2 + [("wait all_reduce", 1)] * 2
+        + [("wait all_reduce", tracing.CALLER)]
+    )
+    totals = timeline.totals()
+    assert totals[0].waits == totals[1].waits == 2
+    assert totals[tracing.CALLER].waits == 1 and totals[tracing.CALLER].turns == 0
+
+
+def test_the_chrome_trace_has_a_named_track_per_thread(tmp_path: Path) -> None:
+    step = _yielding(2)
+    with dbo.trace() as timeline:
+        step(torch.zeros(4))
+    path = tmp_path / "trace.json"
+    timeline.save(path, process_name="rank 0")
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {event["args"]["name"] for event in events if event["ph"] == "M"}
+    assert names == {"rank 0", "caller", "ubatch 0", "ubatch 1"}
+    complete = [event for event in events if event["ph"] == "X"]
+    assert len(complete) == len(timeline.spans)
+    assert all(event["ts"] >= 0 and event["dur"] >= 0 for event in complete)
+    assert {event["name"] for event in complete} == {"baton", "dbo.overlap"}
