@@ -227,6 +227,42 @@ class TwoThreads:
             self._done[me].release()
 
 
+class TwoGreenlets:
+    """The same schedule with two greenlets in the calling thread (`--greenlets`, needs
+    `pip install greenlet`): ubatch switches without OS thread switches, to measure
+    what running each ubatch in its own OS thread costs (the design's choice: CUDA's
+    current stream and torch's settings are per OS thread)."""
+
+    def __init__(self, work: Workload, groups: tuple[Any, Any]) -> None:
+        import greenlet  # optional: only for this measurement
+
+        self._greenlet = greenlet.greenlet
+        self._work, self._groups = work, groups
+        self._peers: list[Any] = []
+        self._results: list[Any] = [None, None]
+
+    def run(self) -> list[torch.Tensor]:
+        self._peers = [self._greenlet(self._loop) for _ in (0, 1)]
+        self._peers[0].switch(0)  # back here when ubatch 0 (or 1) has finished
+        for u, peer in enumerate(self._peers):
+            while not peer.dead:
+                peer.switch(u)
+        return list(self._results)
+
+    def _loop(self, me: int) -> None:
+        work, peer = self._work, 1 - me
+        x = work.parts[me]
+        for _ in range(work.num_layers):
+            x = work.compute(x)
+            out = torch.empty_like(x)
+            handle = dist.all_to_all_single(out, x, group=self._groups[me], async_op=True)
+            if not self._peers[peer].dead:
+                self._peers[peer].switch(peer)  # the other ubatch runs meanwhile
+            handle.wait()
+            x = out
+        self._results[me] = x
+
+
 def _calibrated(rows: int, target_ratio: float, layers: int, rounds: int) -> Workload:
     """A workload whose per-layer compute is about `target_ratio` x its all-to-all."""
     one_matmul_ms, comm_ms = Workload(rows, 1, layers).compute_and_comm_ms(rounds)
@@ -309,13 +345,16 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
             "dbo, one group": lambda work=work: work.dbo(shared),
             "pipeline, one group": lambda work=work: work.pipeline((shared, shared)),
         }
+        ratios = [("dbo", "pipeline"), ("dbo", "threads")]
+        if args.greenlets:
+            glets = TwoGreenlets(work, groups)
+            modes["greenlets"] = lambda glets=glets: torch.cat(glets.run())
+            ratios += [("threads", "pipeline"), ("greenlets", "pipeline")]
         reference = work.serial()
         for name, fn in modes.items():  # warm-up; every mode computes the same thing
             if not torch.equal(fn(), reference):
                 raise AssertionError(f"{name} differs from serial")
-        times = _interleaved(
-            modes, args.rounds, ratios=(("dbo", "pipeline"), ("dbo", "threads"))
-        )
+        times = _interleaved(modes, args.rounds, ratios=tuple(ratios))
         label = f"{rows * HIDDEN * 4 // 1024} KB, c~{target_ratio:g}m"
         report["rows"].append({"label": label, "c": c, "m": m, **times})
     if rank == 0:
@@ -359,6 +398,19 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{row['dbo/pipeline']:9.2f}{row['dbo/threads']:8.2f}"
             f"{serial / row['dbo, one group']:>13.2f}x{serial / row['pipeline, one group']:>5.2f}x"
         )
+    with_greenlets = [row for row in report["rows"] if "greenlets" in row]
+    if with_greenlets:
+        print(
+            "\nWithout OS threads (--greenlets): the same schedule on two greenlets in one "
+            "thread; step time over the pipeline's, same round (median)"
+        )
+        print(f"{'per ubatch':<17}{'glet x':>7}{'glet/pipe':>10}{'thr/pipe':>9}{'DBO/pipe':>9}")
+        for row in with_greenlets:
+            print(
+                f"{row['label']:<17}{row['serial'] / row['greenlets']:7.2f}"
+                f"{row['greenlets/pipeline']:10.2f}{row['threads/pipeline']:9.2f}"
+                f"{row['dbo/pipeline']:9.2f}"
+            )
 
 
 def _wait_for_report(queue: Any, processes: list[Any], deadline: float) -> dict[str, Any]:
@@ -390,6 +442,10 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=110.0, help="give up after this")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin each rank to its own core")
+    parser.add_argument(
+        "--greenlets", action="store_true",
+        help="also time the schedule on two greenlets in one thread (pip install greenlet)",
+    )
     parser.add_argument(
         "--configs", type=_parse_configs, default=CONFIGS,
         help="ROWS:RATIO,... rows per ubatch and target c/m (default: %(default)s)",
