@@ -23,7 +23,17 @@ NOT_INITIALIZED_MESSAGE = (
 
 
 _member_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-"""Groups this rank was found to be a member of (membership never changes)."""
+"""Groups this rank was found to be a member of (membership never changes; whether the
+group still exists does: `_still_registered`)."""
+
+
+def _still_registered(group: dist.ProcessGroup) -> bool:
+    """Whether `group` belongs to the current world and was not destroyed: a lookup in
+    torch.distributed's registry of groups (if this torch has none where expected,
+    False: the full checks run every time)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    registered = getattr(world, "pg_group_ranks", None)
+    return registered is not None and group in registered
 
 
 def resolve_group(group: Any) -> dist.ProcessGroup:
@@ -38,7 +48,7 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
         world = dist.GroupMember.WORLD if dist.is_available() else None
         if world is not None:
             return world
-    elif group in _member_groups:
+    elif group in _member_groups and _still_registered(group):
         return group
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(NOT_INITIALIZED_MESSAGE)

@@ -96,15 +96,10 @@ class CollectiveWork:
     stream of its own that only a wait connects to them.
     """
 
-    __slots__ = ("_work", "_tensors", "_yields", "_done", "_exit_cell", "_name", "_track")
+    __slots__ = ("_work", "_tensors", "_yields", "_done", "_exit_cell", "_name")
 
     def __init__(
-        self,
-        work: Any,
-        tensors: Sequence[torch.Tensor],
-        yields: bool,
-        name: str = "collective",
-        track: int = tracing.CALLER,
+        self, work: Any, tensors: Sequence[torch.Tensor], yields: bool, name: str = "collective"
     ) -> None:
         self._work = work
         self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
@@ -112,8 +107,6 @@ class CollectiveWork:
         self._done = False
         self._exit_cell: list[CollectiveWork] = []
         self._name = name
-        self._track = track
-        """The timeline track of its waits: the launching ubatch, or the caller."""
 
     @property
     def work(self) -> Any:
@@ -138,7 +131,10 @@ class CollectiveWork:
         try:
             if self._yields and yield_first and dbo.enabled():
                 dbo.yield_()
-            _blocking(self._work.wait, self._name, self._track)
+            # On the timeline, the wait belongs to the thread that blocks in it (a recv
+            # hook may wait another ubatch's handle).
+            track = dbo.current_ubatch_id() if dbo.enabled() else tracing.CALLER
+            _blocking(self._work.wait, self._name, track)
         finally:
             self._tensors = ()
             self._exit_cell.clear()
@@ -203,7 +199,7 @@ def _run(
         if on_cuda:
             _protect(tensors, dbo.current_stream())  # comm's, after the switch
         if async_op:
-            handle = CollectiveWork(work, tensors, yields=True, name=name, track=ubatch_id)
+            handle = CollectiveWork(work, tensors, yields=True, name=name)
             # A handle the ubatch never waits is waited when it returns (no yield), so
             # that the end of the overlap covers the collective. The callback holds the
             # handle through a cell that wait() empties: a waited handle (its Work and

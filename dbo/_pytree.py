@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,10 +174,25 @@ def _shell_of(template: Any) -> Any:
     return shell
 
 
-_leaf_types: set[type] = set()
-"""Types seen to be leaves (tensors, numbers, strings, modules): every test in `children`
-depends on the type alone, so once a type is a leaf it is answered by one set lookup."""
+_leaf_types: dict[int, weakref.ref[type]] = {}
+"""Types seen to be leaves (tensors, numbers, strings, modules), by `id`: every test in
+`children` depends on the type alone, so a type seen once as a leaf is answered by one
+dict lookup after. Weak references, so that a class defined in a function (and what its
+methods close over) is not kept alive; its entry goes when it does. A type made a
+container after it was first seen (`UserDict.register(T)`, `dataclass(T)` applied
+later) stays a leaf."""
 _MAX_LEAF_TYPES = 4096
+
+
+def _forget_leaf_type(key: int, ref: weakref.ref[type]) -> None:
+    if _leaf_types.get(key) is ref:
+        del _leaf_types[key]
+
+
+def _remember_leaf_type(value_type: type) -> None:
+    if len(_leaf_types) < _MAX_LEAF_TYPES:
+        key = id(value_type)
+        _leaf_types[key] = weakref.ref(value_type, functools.partial(_forget_leaf_type, key))
 
 
 def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
@@ -186,7 +202,8 @@ def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
     `_derived_by_post_init` and `_rebuild_dataclass`).
     """
     value_type = type(value)
-    if value_type in _leaf_types:
+    known = _leaf_types.get(id(value_type))
+    if known is not None and known() is value_type:  # not a new type at a reused id
         return None
     if value_type is tuple or value_type is list:
         return value_type.__name__, value_type, tuple(range(len(value))), list(value)
@@ -194,8 +211,8 @@ def children(value: Any) -> tuple[str, type, tuple[Any, ...], list[Any]] | None:
         keys = tuple(value.keys())
         return "dict", dict, keys, [value[key] for key in keys]
     described = _described_container(value)
-    if described is None and len(_leaf_types) < _MAX_LEAF_TYPES:
-        _leaf_types.add(value_type)
+    if described is None:
+        _remember_leaf_type(value_type)
     return described
 
 

@@ -22,6 +22,8 @@ kernels are not on this timeline; use `torch.profiler` for those.
 
 Cost: while no trace is active, one module attribute read per handoff and per
 collective. One trace at a time per process; each process (rank) records its own.
+Overlaps run at once from several caller threads each get their own tracks (their
+ubatch threads differ); `totals()` and `summary()` add them up per ubatch id.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class Span:
     """The ubatch whose thread it belongs to; `CALLER` for the caller's thread."""
     start_s: float
     end_s: float
+    thread_id: int = 0
+    """`threading.get_ident()` of that thread: concurrent overlaps (several caller
+    threads) each have their own ubatch threads, hence their own tracks."""
 
     @property
     def duration_s(self) -> float:
@@ -81,18 +86,22 @@ class Trace:
         """Spans not kept because `max_spans` were already recorded."""
         self.start_s = time.perf_counter()
         self.end_s: float | None = None
+        self._lock = threading.Lock()
 
     def add(self, name: str, ubatch_id: int, start_s: float, end_s: float) -> None:
-        # list.append is atomic under the GIL; ubatch threads record one at a time
-        # (the baton), the caller's thread while they are parked or done.
-        if len(self.spans) < self.max_spans:
-            self.spans.append(Span(name, ubatch_id, start_s, end_s))
-        else:
-            self.dropped += 1
+        """Record a span of the calling thread (clipped to the trace's start: a turn
+        that began before the trace did counts from the trace's start)."""
+        span = Span(name, ubatch_id, max(start_s, self.start_s), end_s, threading.get_ident())
+        with self._lock:  # several overlaps may run at once, from several callers
+            if len(self.spans) < self.max_spans:
+                self.spans.append(span)
+            else:
+                self.dropped += 1
 
     # ------------------------------------------------------------------ reading
     def totals(self) -> dict[int, UBatchTotals]:
-        """Per ubatch id (and `CALLER` if it has waits): turns, baton and blocked time."""
+        """Per ubatch id (and `CALLER` if it has waits): turns, baton and blocked time,
+        summed over every overlap in the trace."""
         turns: dict[int, int] = {}
         baton: dict[int, float] = {}
         blocked: dict[int, float] = {}
@@ -139,15 +148,24 @@ class Trace:
             {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
              "args": {"name": process_name or f"dbo (pid {pid})"}},
         ]
-        for key in sorted({span.ubatch_id for span in self.spans}):
-            events.append({
-                "ph": "M", "name": "thread_name", "pid": pid, "tid": key + 1,
-                "args": {"name": "caller" if key == CALLER else f"ubatch {key}"},
-            })
+        # One track per (thread, role): the same worker thread serves one ubatch id; a
+        # caller thread is "caller". Tracks are numbered by role, then first appearance.
+        tracks: dict[tuple[int, int], int] = {}
+        for span in sorted(self.spans, key=lambda span: (span.ubatch_id, span.start_s)):
+            tracks.setdefault((span.ubatch_id, span.thread_id), len(tracks) + 1)
+        seen: dict[int, int] = {}
+        for (ubatch_id, _), tid in tracks.items():
+            label = "caller" if ubatch_id == CALLER else f"ubatch {ubatch_id}"
+            seen[ubatch_id] = seen.get(ubatch_id, 0) + 1
+            if seen[ubatch_id] > 1:  # concurrent overlaps: another thread in this role
+                label += f" ({seen[ubatch_id]})"
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}}
+            )
         for span in self.spans:
             events.append({
                 "ph": "X", "name": span.name, "cat": "dbo", "pid": pid,
-                "tid": span.ubatch_id + 1,
+                "tid": tracks[(span.ubatch_id, span.thread_id)],
                 "ts": (span.start_s - self.start_s) * 1e6,
                 "dur": span.duration_s * 1e6,
             })

@@ -142,3 +142,26 @@ def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
     duplicates = comm.ubatch_groups(None, 2)
     assert connected == list(duplicates) and len(duplicates) == 2
     assert comm.ubatch_groups(None, 2) == duplicates and len(connected) == 2  # once
+
+
+@pytest.mark.timeout(60)
+def test_a_destroyed_group_is_refused_even_after_a_successful_call(world_of_one: None) -> None:
+    """Member groups are remembered to skip the membership check; a destroyed one must
+    not be taken for a live one."""
+    group = dist.new_group([0])
+    comm.all_reduce(torch.ones(2), group=group)
+    dist.destroy_process_group(group)
+    with pytest.raises((ValueError, RuntimeError)):
+        comm.all_reduce(torch.ones(2), group=group)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_a_destroyed_world_is_refused(world_of_one: None) -> None:
+    group = dist.new_group([0])
+    comm.all_reduce(torch.ones(2), group=group)
+    comm.destroy_distributed()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        comm.all_reduce(torch.ones(2), group=group)
+    comm.init_distributed(allow_single_process=True)
+    with pytest.raises((ValueError, RuntimeError)):
+        comm.all_reduce(torch.ones(2), group=group)  # a group of the old world

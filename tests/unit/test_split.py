@@ -116,7 +116,7 @@ def test_the_leaf_type_cache_is_bounded_and_does_not_change_answers(
 ) -> None:
     from dbo import _pytree
 
-    monkeypatch.setattr(_pytree, "_leaf_types", set())
+    monkeypatch.setattr(_pytree, "_leaf_types", {})
     monkeypatch.setattr(_pytree, "_MAX_LEAF_TYPES", 3)
     leaf_types = [type(f"Leaf{i}", (), {}) for i in range(5)]
     for _ in range(2):  # the second pass answers from the cache where it can
@@ -126,3 +126,23 @@ def test_the_leaf_type_cache_is_bounded_and_does_not_change_answers(
         assert _pytree.children((1, 2))[0] == "tuple"
         assert _pytree.children(collections.OrderedDict(a=1))[0] == "dict"
     assert len(_pytree._leaf_types) == 3
+
+
+def test_the_leaf_type_cache_does_not_keep_local_classes_or_their_closures_alive() -> None:
+    import gc
+    import weakref
+
+    def make() -> tuple[object, weakref.ref[torch.Tensor]]:
+        big = torch.zeros(1000)
+
+        class Handle:  # a leaf: its methods close over `big`
+            def get(self) -> torch.Tensor:
+                return big
+
+        return Handle(), weakref.ref(big)
+
+    handle, big_ref = make()
+    dbo.overlap(lambda x, h: x, timeout_s=30)(torch.zeros(4), handle)
+    del handle
+    gc.collect()
+    assert big_ref() is None

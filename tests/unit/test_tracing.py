@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +117,91 @@ def test_the_chrome_trace_has_a_named_track_per_thread(tmp_path: Path) -> None:
     assert len(complete) == len(timeline.spans)
     assert all(event["ts"] >= 0 and event["dur"] >= 0 for event in complete)
     assert {event["name"] for event in complete} == {"baton", "dbo.overlap"}
+
+
+def test_a_wait_is_on_the_track_of_the_thread_that_blocked_in_it(world_of_one: None) -> None:
+    """Recv-hook pattern: ubatch i launches, ubatch i + 1 waits; the wait lies inside
+    one of the waiting ubatch's turns."""
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        handle = comm.all_reduce(x, async_op=True)
+        assert handle is not None
+        dbo.register_recv_hook(functools.partial(handle.wait, yield_first=False))
+        dbo.yield_()
+        dbo.maybe_run_recv_hook()
+        return x
+
+    with dbo.trace() as timeline:
+        dbo.overlap(body, timeout_s=TIMEOUT_S)(torch.ones(4))
+    turns = [span for span in timeline.spans if span.name == "baton"]
+    waits = [span for span in timeline.spans if span.name.startswith("wait")]
+    assert len(waits) == 2
+    for wait in waits:
+        assert any(
+            turn.ubatch_id == wait.ubatch_id and turn.thread_id == wait.thread_id
+            and turn.start_s <= wait.start_s and wait.end_s <= turn.end_s
+            for turn in turns
+        ), wait
+
+
+def test_concurrent_overlaps_get_tracks_of_their_own() -> None:
+    barrier = threading.Barrier(2)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            barrier.wait(timeout=10)  # both calls' ubatch 0 hold their batons at once
+        time.sleep(0.01)
+        dbo.yield_()
+        return x
+
+    step = dbo.overlap(fn, timeout_s=TIMEOUT_S)
+    with dbo.trace() as timeline:
+        callers = [threading.Thread(target=step, args=(torch.zeros(4),)) for _ in range(2)]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(timeout=TIMEOUT_S)
+    chrome = timeline.to_chrome_trace()["traceEvents"]
+    names = sorted(event["args"]["name"] for event in chrome if event["name"] == "thread_name")
+    assert names == ["caller", "caller (2)", "ubatch 0", "ubatch 0 (2)", "ubatch 1", "ubatch 1 (2)"]
+    by_track: dict[int, list[tuple[float, float]]] = {}
+    for event in chrome:
+        if event["ph"] == "X":
+            by_track.setdefault(event["tid"], []).append((event["ts"], event["ts"] + event["dur"]))
+    for intervals in by_track.values():  # one thread: its spans nest or follow each other
+        intervals.sort()
+        for (_, first_end), (second_start, second_end) in zip(intervals, intervals[1:]):
+            assert second_end <= first_end or second_start >= first_end
+    assert timeline.totals()[0].turns == 4  # two calls, two turns each
+
+
+def test_a_failed_overlap_still_has_its_call_span() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        dbo.yield_()
+        if dbo.current_ubatch_id() == 1:
+            raise ValueError("boom")
+        return x
+
+    with dbo.trace() as timeline, pytest.raises(ValueError, match="boom"):
+        dbo.overlap(fn, timeout_s=TIMEOUT_S)(torch.zeros(4))
+    assert [span.name for span in timeline.spans].count("dbo.overlap") == 1
+
+
+def test_a_trace_started_inside_a_turn_starts_its_spans_at_the_trace() -> None:
+    traces: list[dbo.Trace] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            time.sleep(0.01)
+            with dbo.trace() as timeline:
+                dbo.yield_()
+            traces.append(timeline)
+        else:
+            dbo.yield_()
+        return x
+
+    dbo.overlap(fn, timeout_s=TIMEOUT_S)(torch.zeros(4))
+    (timeline,) = traces
+    assert timeline.spans and all(span.start_s >= timeline.start_s for span in timeline.spans)
+    events = timeline.to_chrome_trace()["traceEvents"]
+    assert all(event["ts"] >= 0 for event in events if event["ph"] == "X")
