@@ -2,16 +2,19 @@
 
     .venv/bin/python benchmarks/comm_overlap.py            # spawns its own 2 gloo ranks
     .venv/bin/python benchmarks/comm_overlap.py --no-pin   # let the OS place the threads
+    .venv/bin/python benchmarks/comm_overlap.py --greenlets  # + the schedule without threads
 
 Two ranks on loopback run a layer loop: per ubatch per layer, compute (matmuls on the
 ubatch's activations) then an `all_to_all_single` of those activations. The same two
-ubatches run three ways:
+ubatches run these ways:
 
 - serial:   ubatch 0's loop, then ubatch 1's (blocking collectives, no overlap);
 - DBO:      `dbo.overlap(loop)(x)` with `comm.all_to_all_single` (per-ubatch groups);
 - pipeline: one thread, by hand: launch ubatch u's all-to-all async, compute the other
             ubatch, wait; the schedule DBO reaches without rewriting the loop;
-- threads:  DBO's schedule on two bare threads passing a lock, without dbo.
+- threads:  DBO's schedule on two bare threads passing a lock, without dbo;
+- greenlets (`--greenlets`, needs `pip install greenlet`): the same schedule on two
+            greenlets in one OS thread: ubatch switches without thread switches.
 ("one group": the same, with both ubatches' collectives on one process group.)
 
 Printed per row: c and m (one ubatch's compute and all-to-all per layer, each measured
@@ -31,14 +34,14 @@ the larger all-to-alls cannot be hidden behind compute and the ceiling is below 
 
 What it showed on the project's 2-core VM: with both ubatches overlapped, each rank's
 core is ~100% busy (process CPU time ~= wall time), so every microsecond of overhead is
-step time. DBO trails the hand-written pipeline by 1-23% (six runs). The "threads"
-column (the same schedule on two bare threads, no dbo) trails it too: that part is the
-cost of running each ubatch in its own OS thread (~2 context switches per handoff, each
-~10-20 us of CPU here). DBO trails the bare threads by 0-5% at 1 MB and 5-20% at
-256 KB: `comm`'s checks and stream bookkeeping per collective (~5-9% of the step at
-256 KB in a paired A/B) and the `dbo.overlap` call (split, runner lease, settings
-replay, merge). Results vary by +-10% from
-run to run on this shared VM; compare columns within one run.
+step time. DBO trails the hand-written pipeline by 1-23% over nine runs in three
+sessions (3-23% in the third). Side by side (31 paired rounds at 256 KB): `comm`'s
+wrapper over raw `dist` calls + `dbo.yield_()` costs 2-4% of the step, dbo's runner and
+`dbo.overlap` call over the bare threads 1-6%, and the bare threads trail the pipeline
+by 0-3%: each thread handoff is ~2.5 context switches (~10-20 us of CPU each here).
+`--greenlets` runs the schedule without OS threads; it matched the pipeline within the
+noise. Results vary by +-5-10% from run to run on this shared VM; compare columns
+within one run.
 """
 
 from __future__ import annotations
