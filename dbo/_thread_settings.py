@@ -62,6 +62,7 @@ class ThreadSettings:
 
 def capture() -> ThreadSettings:
     """The calling thread's settings."""
+    # One query per device type: torch._C._is_any_autocast_enabled() misses mps.
     autocast = tuple(
         (device_type, torch.get_autocast_dtype(device_type))
         for device_type in _AUTOCAST_DEVICE_TYPES

@@ -25,6 +25,9 @@ UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 def splittable_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
     """(path, tensor) of every tensor leaf with ndim >= 1, args first."""
+    if not kwargs and all(type(arg) is torch.Tensor for arg in args):
+        # The usual call (tensors only), without the tree walk.
+        return [(f"args[{index}]", arg) for index, arg in enumerate(args) if arg.ndim >= 1]
     found = []
     for tree, root in ((args, "args"), (kwargs, "kwargs")):
         leaves, paths, _ = flatten(tree, root)
@@ -79,6 +82,10 @@ def split_parts(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
 ) -> UBatchInputs:
     """`default_split` for arguments whose dim-0 sizes are already known to agree."""
+    if not kwargs and all(type(arg) is torch.Tensor and arg.ndim >= 1 for arg in args):
+        # The usual call (tensors only), without the tree walk.
+        columns = [torch.tensor_split(arg, num_ubatches, dim=0) for arg in args]
+        return [(tuple(column[i] for column in columns), kwargs) for i in range(num_ubatches)]
     split_args = _split_node(args, num_ubatches) or [args] * num_ubatches
     split_kwargs = _split_node(kwargs, num_ubatches) or [kwargs] * num_ubatches
     return list(zip(split_args, split_kwargs))
@@ -115,6 +122,18 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     not hold raise ValueError naming the leaf: pass `merge=` to combine them your way.
     The concatenation copies every output once; `merge_parts` avoids the copy.
     """
+    first = outputs[0]
+    if (
+        isinstance(first, torch.Tensor)
+        and first.ndim >= 1
+        and all(
+            isinstance(output, torch.Tensor) and output.ndim >= 1 and output is not first
+            for output in outputs[1:]
+        )
+    ):
+        # The usual case (fn returns one tensor), without the tree walk; anything the
+        # general path would refuse or treat specially goes through it below.
+        return torch.cat(list(outputs), dim=0)
     flattened = [flatten(output, "output") for output in outputs]
     _, paths, spec = flattened[0]
     for index, (_, _, other_spec) in enumerate(flattened[1:], start=1):

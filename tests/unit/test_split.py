@@ -146,3 +146,27 @@ def test_the_leaf_type_cache_does_not_keep_local_classes_or_their_closures_alive
     del handle
     gc.collect()
     assert big_ref() is None
+
+
+def test_tensor_only_calls_split_and_merge_like_the_general_path() -> None:
+    """Arguments that are all tensors, and one tensor per ubatch out, skip the tree walk;
+    the results and errors must be those of the general path (here: inside a list)."""
+    x, y = torch.arange(14.0).reshape(7, 2), torch.arange(7)
+    fast = dbo.default_split((x, y), {}, 3)
+    general = dbo.default_split(([x, y],), {}, 3)
+    for (fast_args, fast_kwargs), (general_args, _) in zip(fast, general):
+        assert fast_kwargs == {}
+        assert all(torch.equal(a, b) for a, b in zip(fast_args, general_args[0]))
+        assert fast_args[0].data_ptr() == general_args[0][0].data_ptr()
+    with pytest.raises(ValueError, match=r"args\[0\]: 7, args\[1\]: 6"):
+        dbo.default_split((x, y[:6]), {}, 2)
+
+    parts = [part[0][0] for part in fast]
+    assert torch.equal(dbo.default_merge(parts), x)
+    assert torch.equal(dbo.default_merge([[part] for part in parts])[0], x)
+    with pytest.raises(ValueError, match="same tensor object"):
+        dbo.default_merge([x, x])
+    with pytest.raises(ValueError, match="0-dim"):
+        dbo.default_merge([x.sum(), x.sum()])
+    empty = torch.zeros(0, 2)  # the same zero-row tensor from every ubatch merges
+    assert dbo.default_merge([empty, empty]).shape == (0, 2)
