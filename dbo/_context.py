@@ -10,8 +10,6 @@ ubatch) simply sees no context and behaves as outside an overlap.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,25 +51,34 @@ def num_registered_threads() -> int:
     return _num_registered
 
 
-@contextmanager
-def registered(context: UBatchContext) -> Iterator[UBatchContext]:
-    """Register the calling thread as `context.ubatch_id` for the body's duration.
+class registered:  # noqa: N801 - used like the function-style context managers
+    """`with registered(context):` registers the calling thread as `context.ubatch_id`
+    for the body's duration (the `with` value is the context).
 
     Raises RuntimeError if the thread is already registered: a thread runs one ubatch
-    at a time. The registration is removed in `finally`, even when the body raises.
+    at a time. The registration is removed on exit, even when the body raises. A class,
+    not a generator: it runs in every ubatch thread of every overlap call.
     """
-    global _num_registered
-    if _state.context is not None:
-        raise RuntimeError(
-            f"this thread already runs ubatch {_state.context.ubatch_id}; "
-            "a thread can be registered for one ubatch at a time"
-        )
-    _state.context = context
-    with _count_lock:
-        _num_registered += 1
-    try:
-        yield context
-    finally:
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: UBatchContext) -> None:
+        self._context = context
+
+    def __enter__(self) -> UBatchContext:
+        global _num_registered
+        if _state.context is not None:
+            raise RuntimeError(
+                f"this thread already runs ubatch {_state.context.ubatch_id}; "
+                "a thread can be registered for one ubatch at a time"
+            )
+        _state.context = self._context
+        with _count_lock:
+            _num_registered += 1
+        return self._context
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _num_registered
         _state.context = None
         with _count_lock:
             _num_registered -= 1

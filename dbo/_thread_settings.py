@@ -16,8 +16,7 @@ under the caller's `torch.no_grad()`, or run matmuls with the default thread cou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from threading import local
 
@@ -101,32 +100,39 @@ def default_device() -> torch.device:
     return torch.get_default_device()
 
 
-@contextmanager
-def applied(settings: ThreadSettings) -> Iterator[None]:
-    """Run the body with `settings` in the calling (worker) thread; restore after.
+class applied:  # noqa: N801 - used like the function-style context managers
+    """`with applied(settings):` runs the body with `settings` in the calling (worker)
+    thread, and restores what it entered afterwards.
 
     When the thread already has the caller's grad mode and default device and no
     autocast or inference mode is wanted (the usual case), nothing is entered: a few C
-    calls, in every ubatch thread of every overlap call.
+    calls, in every ubatch thread of every overlap call (hence a class, not a
+    generator).
     """
-    # `torch.get_num_threads()` can report the caller's count in a thread whose OpenMP
-    # pool was never sized, so remember what this thread applied instead of asking.
-    if _applied.num_threads != settings.num_threads:
-        torch.set_num_threads(settings.num_threads)
-        _applied.num_threads = settings.num_threads
-    if settings.cuda_device is not None:
-        torch.cuda.set_device(settings.cuda_device)
-    same_as_thread = (
-        not settings.inference_mode
-        and not settings.autocast
-        and torch.is_grad_enabled() == settings.grad_enabled
-        and settings.default_device == default_device()
-    )
-    try:
-        if same_as_thread:
-            yield
+
+    __slots__ = ("_settings", "_stack")
+
+    def __init__(self, settings: ThreadSettings) -> None:
+        self._settings = settings
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> None:
+        settings = self._settings
+        # `torch.get_num_threads()` can report the caller's count in a thread whose
+        # OpenMP pool was never sized, so remember what this thread applied instead.
+        if _applied.num_threads != settings.num_threads:
+            torch.set_num_threads(settings.num_threads)
+            _applied.num_threads = settings.num_threads
+        if settings.cuda_device is not None:
+            torch.cuda.set_device(settings.cuda_device)
+        if (
+            not settings.inference_mode
+            and not settings.autocast
+            and torch.is_grad_enabled() == settings.grad_enabled
+            and settings.default_device == default_device()
+        ):
             return
-        with ExitStack() as stack:
+        with ExitStack() as stack:  # unwinds what was entered if an enter fails
             if settings.inference_mode:
                 stack.enter_context(torch.inference_mode(True))
             stack.enter_context(torch.set_grad_enabled(settings.grad_enabled))
@@ -138,9 +144,15 @@ def applied(settings: ThreadSettings) -> Iterator[None]:
                 )
             if settings.default_device != default_device():
                 stack.enter_context(settings.default_device)
-            yield
-    finally:
-        # `fn` (or a library it calls) may have changed the count: forget what this
-        # thread applied so that the next run sets the caller's count again.
-        if torch.get_num_threads() != _applied.num_threads:
-            _applied.num_threads = None
+            self._stack = stack.pop_all()
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            if self._stack is not None:
+                self._stack.close()
+                self._stack = None
+        finally:
+            # `fn` (or a library it calls) may have changed the count: forget what this
+            # thread applied so that the next run sets the caller's count again.
+            if torch.get_num_threads() != _applied.num_threads:
+                _applied.num_threads = None
