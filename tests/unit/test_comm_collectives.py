@@ -3,6 +3,7 @@ DBO protocol (stream moves, one yield per collective, per-ubatch groups) in a wo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -258,6 +259,12 @@ def test_a_waited_async_handle_does_not_keep_its_tensors_until_the_ubatch_ends(
             assert work is not None
             work.wait()
             del work, buffer
+            # gloo's worker thread may drop its own reference to the work a moment
+            # after completing it: give it that moment, but end well inside the ubatch
+            # (a reference kept until the ubatch ends would never go here).
+            deadline = time.monotonic() + 2.0
+            while ref() is not None and time.monotonic() < deadline:
+                time.sleep(0.001)
             alive.append(ref() is not None)
         return x
 
