@@ -131,10 +131,7 @@ class CollectiveWork:
         try:
             if self._yields and yield_first and dbo.enabled():
                 dbo.yield_()
-            # On the timeline, the wait belongs to the thread that blocks in it (a recv
-            # hook may wait another ubatch's handle).
-            track = dbo.current_ubatch_id() if dbo.enabled() else tracing.CALLER
-            _blocking(self._work.wait, self._name, track)
+            _blocking(self._work.wait, self._name)
         finally:
             self._tensors = ()
             self._exit_cell.clear()
@@ -150,13 +147,17 @@ def _wait_left_over(cell: list[CollectiveWork]) -> None:
         cell[0].wait(yield_first=False)
 
 
-def _blocking(wait: Callable[[], Any], name: str, track: int) -> None:
+def _blocking(wait: Callable[[], Any], name: str, track: int | None = None) -> None:
     """`wait()` (the host blocks until the collective is done), recorded on the timeline
-    as "wait <name>" when a `dbo.trace()` is active."""
+    as "wait <name>" when a `dbo.trace()` is active, on `track`: by default the calling
+    thread's ubatch (a recv hook may wait another ubatch's handle: the wait belongs to
+    the thread that blocks in it), or the caller's track outside an overlap."""
     recording = tracing.active()
     if recording is None:
         wait()
         return
+    if track is None:
+        track = dbo.current_ubatch_id() if dbo.enabled() else tracing.CALLER
     start = time.perf_counter()
     try:
         wait()
