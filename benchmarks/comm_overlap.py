@@ -96,17 +96,20 @@ def _interleaved(
     """Median over `rounds` interleaved rounds of each mode's time, max over ranks (ms).
 
     For each `(a, b)` in `ratios`, also "a/b": the median over rounds of a's time over
-    b's in the same round (paired, so a slow drift of the machine cancels), max over
-    ranks.
+    b's in the same round (paired, so a slow drift of the machine cancels), and "a/b q1",
+    "a/b q3": the quartiles of those per-round ratios (their spread), max over ranks.
     """
     samples: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(rounds):
         for name, fn in modes.items():
             samples[name].append(_time_ms(fn))
-    names = list(modes) + [f"{a}/{b}" for a, b in ratios]
-    values = [statistics.median(samples[name]) for name in modes] + [
-        statistics.median(x / y for x, y in zip(samples[a], samples[b])) for a, b in ratios
-    ]
+    names = list(modes)
+    values = [statistics.median(samples[name]) for name in modes]
+    for a, b in ratios:
+        per_round = [x / y for x, y in zip(samples[a], samples[b])]
+        quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
+        names += [f"{a}/{b}", f"{a}/{b} q1", f"{a}/{b} q3"]
+        values += [statistics.median(per_round), quartiles[0], quartiles[2]]
     reduced = torch.tensor(values)
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
     return dict(zip(names, reduced.tolist()))
@@ -400,6 +403,16 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{serial / t_thr:7.2f}{hidden(t_dbo):>8}{hidden(t_pipe):>9}"
             f"{row['dbo/pipeline']:9.2f}{row['dbo/threads']:8.2f}"
             f"{serial / row['dbo, one group']:>13.2f}x{serial / row['pipeline, one group']:>5.2f}x"
+        )
+    print(
+        "\nSpread of the paired ratios: quartiles of the per-round ratios (a round's "
+        "noise; medians above)"
+    )
+    print(f"{'per ubatch':<17}{'DBO/pipe q1-q3':>16}{'DBO/thr q1-q3':>16}")
+    for row in report["rows"]:
+        print(
+            f"{row['label']:<17}{row['dbo/pipeline q1']:>9.2f}-{row['dbo/pipeline q3']:.2f}"
+            f"{row['dbo/threads q1']:>10.2f}-{row['dbo/threads q3']:.2f}"
         )
     with_greenlets = [row for row in report["rows"] if "greenlets" in row]
     if with_greenlets:
