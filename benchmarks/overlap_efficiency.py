@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/overlap_efficiency.py [--layers 8] [--rounds 5]
     .venv/bin/python benchmarks/overlap_efficiency.py --device cuda     # on a GPU
+    .venv/bin/python benchmarks/overlap_efficiency.py --compare-pinning # caller pinned too
 
 Model: each ubatch runs `--layers` layers; a layer is a compute segment of c ms (torch
 matmuls) followed by a transfer of m ms on one shared `comm.EmulatedLink` (FIFO, no CPU
@@ -24,6 +25,10 @@ and matmuls too small to fill the GPU run concurrently on the two compute stream
 shows up as "hidden" communication that is really concurrent compute. Read the CUDA
 rows as a check that the streams overlap, not as a measure of DBO on a real link.
 
+`--compare-pinning` also times DBO with the caller's thread pinned to one CPU in the
+same rounds (ubatch threads run on the caller's CPUs, so they follow): every handoff
+then wakes a thread on the core the previous one leaves.
+
 The merge column is the cost of the default merge (torch.cat of the outputs) as a
 fraction of T_dbo, measured separately.
 """
@@ -31,6 +36,7 @@ fraction of T_dbo, measured separately.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -94,6 +100,7 @@ def measure(
     rounds: int,
     num_matmuls: int,
     device: torch.device,
+    compare_pinning: bool = False,
 ) -> dict[str, float]:
     link = EmulatedLink(latency_s=m_ms / 1000)
     if device.type == "cuda":
@@ -112,11 +119,23 @@ def measure(
         synchronize(device)
         return time.perf_counter() - start
 
-    compute_times, serial_times, dbo_times = [], [], []
+    def pinned(run: Callable[[], object]) -> float:
+        """`run` timed with the caller's thread pinned to one CPU (its ubatch threads
+        follow the caller's CPUs), the caller's CPUs restored after."""
+        cpus = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(cpus)})
+        try:
+            return timed(run)
+        finally:
+            os.sched_setaffinity(0, cpus)
+
+    compute_times, serial_times, dbo_times, pinned_times = [], [], [], []
     for _ in range(rounds):
         compute_times.append(timed(lambda: [compute_only_fn(p) for p in parts]))
         serial_times.append(timed(lambda: [serial_fn(p) for p in parts]))
         dbo_times.append(timed(lambda: dbo_fn(x)))
+        if compare_pinning:
+            pinned_times.append(pinned(lambda: dbo_fn(x)))
     outputs = [serial_fn(p) for p in parts]
     merge = statistics.median(timed(lambda: torch.cat(outputs)) for _ in range(rounds))
     t_serial, t_dbo = statistics.median(serial_times), statistics.median(dbo_times)
@@ -125,7 +144,9 @@ def measure(
     m = m_ms / 1000
     total_m = m * num_layers * num_ubatches
     t_ideal = max(total_c, total_m) + min(c, m)
+    t_pinned = statistics.median(pinned_times) if pinned_times else float("nan")
     return {
+        "hidden_pinned": (t_serial - t_pinned) / (t_serial - t_ideal),
         "c_ms": c * 1000,
         "serial_ms": t_serial * 1000,
         "dbo_ms": t_dbo * 1000,
@@ -141,7 +162,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--compare-pinning", action="store_true",
+        help="also time DBO with the caller's thread pinned to one CPU (Linux)",
+    )
     args = parser.parse_args()
+    if args.compare_pinning and not hasattr(os, "sched_setaffinity"):
+        parser.error("--compare-pinning needs os.sched_setaffinity (Linux)")
     device = torch.device(args.device)
     torch.set_num_threads(1)
     size = MATMUL_SIZE[device.type]
@@ -157,16 +184,21 @@ def main() -> None:
     header = (
         f"{'ubatches':>8} {'c ms':>6} {'real c':>6} {'m ms':>6} {'serial ms':>10} {'dbo ms':>8} "
         f"{'ideal ms':>9} {'speedup':>8} {'hidden':>7} {'merge':>6}"
+        + (f" {'hidden, caller pinned':>22}" if args.compare_pinning else "")
     )
     print(header)
     for c_ms, m_ms, num_ubatches in configs:
         num_matmuls = max(1, round(c_ms * matmuls_per_ms))
-        r = measure(c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls, device)
+        r = measure(
+            c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls, device,
+            args.compare_pinning,
+        )
         print(
             f"{num_ubatches:>8} {c_ms:>6.2f} {r['c_ms']:>6.2f} {m_ms:>6.2f} "
             f"{r['serial_ms']:>10.2f} "
             f"{r['dbo_ms']:>8.2f} {r['ideal_ms']:>9.2f} {r['speedup']:>7.2f}x "
             f"{r['hidden']:>7.2f} {r['merge']:>6.1%}"
+            + (f" {r['hidden_pinned']:>22.2f}" if args.compare_pinning else "")
         )
     dbo.close_default_runners()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -159,6 +160,33 @@ def test_the_cheap_default_device_agrees_with_torch() -> None:
     finally:
         torch.set_default_device(None)
     assert default_device() == torch.device("cpu")
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux CPU affinity and 2 CPUs",
+)
+def test_ubatch_threads_run_on_the_callers_cpus() -> None:
+    """CPU affinity is per thread: pinning the caller (to keep every handoff on one
+    core) must pin its ubatch threads too, and unpinning it must unpin them."""
+    everything = os.sched_getaffinity(0)
+    one = {min(everything)}
+    seen: list[set[int]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(os.sched_getaffinity(0))
+        if dbo.current_ubatch_id() == 1:
+            os.sched_setaffinity(0, everything - one)  # fn's own change must not stick
+        return x
+
+    try:
+        os.sched_setaffinity(0, one)
+        _overlap(fn)(torch.zeros(4))
+        _overlap(fn)(torch.zeros(4))
+    finally:
+        os.sched_setaffinity(0, everything)
+    _overlap(fn)(torch.zeros(4))
+    assert seen == [one] * 4 + [everything] * 2
 
 
 def test_torch_func_transforms_run_inline_and_stay_correct() -> None:
