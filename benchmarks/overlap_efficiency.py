@@ -26,7 +26,7 @@ shows up as "hidden" communication that is really concurrent compute. Read the C
 rows as a check that the streams overlap, not as a measure of DBO on a real link.
 
 `--compare-pinning` also times DBO with the caller's thread pinned to one CPU in the
-same rounds (ubatch threads run on the caller's CPUs, so they follow): every handoff
+same rounds (`dbo.overlap` then uses ubatch threads created on that CPU): every handoff
 then wakes a thread on the core the previous one leaves.
 
 The merge column is the cost of the default merge (torch.cat of the outputs) as a
@@ -120,8 +120,8 @@ def measure(
         return time.perf_counter() - start
 
     def pinned(run: Callable[[], object]) -> float:
-        """`run` timed with the caller's thread pinned to one CPU (its ubatch threads
-        follow the caller's CPUs), the caller's CPUs restored after."""
+        """`run` timed with the caller's thread pinned to one CPU (`dbo.overlap` then
+        leases ubatch threads created there), the caller's CPUs restored after."""
         cpus = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {min(cpus)})
         try:

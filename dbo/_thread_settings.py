@@ -2,9 +2,9 @@
 
 Intra-op thread count, grad mode, inference mode, autocast (cpu, cuda, xpu, mps, hpu
 and the privateuse1 backend), the default device (`with torch.device(...)`,
-`torch.set_default_device`) and the current CUDA device are all per thread in PyTorch;
-so is the CPU affinity on Linux (a caller pinned to one core keeps every baton handoff
-on that core only if its ubatch threads are pinned too). Not replayed: other
+`torch.set_default_device`) and the current CUDA device are all per thread in PyTorch.
+CPU affinity is per thread too, but is not replayed per call (see `dbo._affinity`).
+Not replayed: other
 torch-function and dispatch modes (e.g. FakeTensorMode) and saved-tensor hooks; enter
 those inside `fn`. `torch.func` transforms (grad, vmap) cannot cross threads:
 `dbo.overlap` runs inline under one. The profiler records the caller's thread only,
@@ -18,7 +18,6 @@ under the caller's `torch.no_grad()`, or run matmuls with the default thread cou
 
 from __future__ import annotations
 
-import os
 from contextlib import ExitStack
 from dataclasses import dataclass
 from threading import local
@@ -45,7 +44,6 @@ _AUTOCAST_DEVICE_TYPES = _autocast_device_types()
 
 class _Applied(local):
     num_threads: int | None = None
-    cpus: frozenset[int] | None = None
 
 
 _applied = _Applied()
@@ -61,8 +59,6 @@ class ThreadSettings:
     autocast_cache_enabled: bool
     default_device: torch.device
     cuda_device: int | None
-    cpus: frozenset[int] | None = None
-    """The CPUs the caller may run on (Linux: `os.sched_getaffinity`); None elsewhere."""
 
 
 def capture() -> ThreadSettings:
@@ -84,31 +80,8 @@ def capture() -> ThreadSettings:
         autocast_cache_enabled=torch.is_autocast_cache_enabled(),
         default_device=default_device(),
         cuda_device=cuda_device,
-        cpus=_cpus_of_this_thread(),
     )
 
-
-_get_affinity = getattr(os, "sched_getaffinity", None)
-_set_affinity = getattr(os, "sched_setaffinity", None)
-
-
-def _cpus_of_this_thread() -> frozenset[int] | None:
-    # pid 0 is the calling thread: affinity is per thread on Linux.
-    return None if _get_affinity is None else frozenset(_get_affinity(0))
-
-
-def _apply_cpus(cpus: frozenset[int] | None) -> None:
-    """Run this thread on `cpus`, like the caller: a caller pinned to one core (so that
-    every baton handoff stays on it: a cross-core wake-up costs several times more)
-    pins its ubatch threads too."""
-    if cpus is None or _set_affinity is None or _applied.cpus == cpus:
-        return
-    try:
-        _set_affinity(0, cpus)
-    except OSError:  # e.g. a cpuset changed under the process: keep what we have
-        _applied.cpus = None
-        return
-    _applied.cpus = cpus
 
 
 _CPU = torch.device("cpu")
@@ -155,7 +128,6 @@ class applied:  # noqa: N801 - used like the function-style context managers
             _applied.num_threads = settings.num_threads
         if settings.cuda_device is not None:
             torch.cuda.set_device(settings.cuda_device)
-        _apply_cpus(settings.cpus)
         if (
             not settings.inference_mode
             and not settings.autocast
@@ -183,9 +155,7 @@ class applied:  # noqa: N801 - used like the function-style context managers
                 self._stack.close()
                 self._stack = None
         finally:
-            # `fn` (or a library it calls) may have changed the count or the CPUs: forget
-            # what this thread applied so that the next run sets the caller's again.
+            # `fn` (or a library it calls) may have changed the count: forget what this
+            # thread applied so that the next run sets the caller's count again.
             if torch.get_num_threads() != _applied.num_threads:
                 _applied.num_threads = None
-            if _applied.cpus is not None and _cpus_of_this_thread() != _applied.cpus:
-                _applied.cpus = None

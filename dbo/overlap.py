@@ -12,7 +12,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from dbo import tracing
+from dbo import _affinity, tracing
 from dbo._context import current_context
 from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout
 from dbo.split import (
@@ -32,11 +32,19 @@ MergeFn = Callable[[Sequence[Any]], Any]
 
 
 _MAX_IDLE_RUNNERS = 2
-"""Idle runners kept per (num_ubatches, device); more exist only while callers overlap."""
+"""Idle runners kept per key; more exist only while callers overlap."""
+_MAX_IDLE_RUNNERS_IN_ALL = 8
+"""Idle runners kept over all keys (callers pinned to many different cores)."""
+
+_PoolKey = tuple[int, "torch.device | None", "frozenset[int] | None"]
+"""(num_ubatches, device, the caller's CPUs)."""
 
 
 class _RunnerPool:
-    """The runners `dbo.overlap` uses, per (num_ubatches, device); closed at exit.
+    """The runners `dbo.overlap` uses, per (num_ubatches, device, caller's CPUs); closed
+    at exit. Keyed by the caller's CPU affinity because workers keep the CPUs they were
+    created with (`dbo._affinity`): a caller pinned to a core gets ubatch threads
+    created on it, and an unpinned caller never gets those.
 
     Each call leases a runner of its own for the duration of the run: concurrent callers
     (several threads, or a helper thread started inside a ubatch that calls another
@@ -46,13 +54,13 @@ class _RunnerPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[tuple[int, torch.device | None], list[UBatchRunner]] = {}
+        self._idle: dict[_PoolKey, list[UBatchRunner]] = {}
         self._generation = 0
         self._atexit_registered = False
 
     @contextmanager
     def lease(self, num_ubatches: int, device: torch.device | None) -> Iterator[UBatchRunner]:
-        key = (num_ubatches, device)
+        key = (num_ubatches, device, _affinity.cpus_of_this_thread())
         with self._lock:
             idle = self._idle.setdefault(key, [])
             runner = idle.pop() if idle else None
@@ -72,6 +80,7 @@ class _RunnerPool:
                     not (runner.broken or runner.closed)
                     and generation == self._generation
                     and len(idle) < _MAX_IDLE_RUNNERS
+                    and sum(map(len, self._idle.values())) < _MAX_IDLE_RUNNERS_IN_ALL
                 ):
                     idle.append(runner)
                     keep = True

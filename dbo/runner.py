@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dbo import _thread_settings
+from dbo import _affinity, _thread_settings
 from dbo._context import UBatchContext, current_context, registered
 from dbo._run import OverlapRun, UBatchStreams
 from dbo.baton import _release_quietly
@@ -46,9 +46,11 @@ def check_timeout(timeout_s: Any) -> float | None:
 
 
 class _Worker:
-    """One persistent thread; runs the jobs handed to it, one at a time."""
+    """One persistent thread; runs the jobs handed to it, one at a time, on the CPUs it
+    was started with (`dbo._affinity`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, cpus: frozenset[int] | None) -> None:
+        self._cpus = cpus
         self._ready = _thread.allocate_lock()
         self._ready.acquire()
         self._job: Callable[[], None] | None = None
@@ -74,6 +76,7 @@ class _Worker:
             if job is not None:
                 job()
                 job = None  # a parked worker must not keep the last run's tensors alive
+                _affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
             if self._stopping:
                 return
 
@@ -101,8 +104,12 @@ class UBatchRunner:
         self._current_run: OverlapRun | None = None
         self._aborted_run: OverlapRun | None = None
         self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
+        self.cpus = _affinity.cpus_of_this_thread()
+        """The CPUs of the creating thread, which the workers inherit and keep (Linux;
+        None elsewhere)."""
         self._workers = [
-            _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}") for i in range(self.num_ubatches)
+            _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}", self.cpus)
+            for i in range(self.num_ubatches)
         ]
         # A runner dropped without close() must not leave its threads parked forever.
         weakref.finalize(self, _stop_all, self._workers)
@@ -184,8 +191,9 @@ class UBatchRunner:
         Threading: ubatch 0 starts; a ubatch gives the baton to the next live ubatch only
         at a yield point (`dbo.yield_()` and the `yield_and_switch_*` calls) or when `fn`
         returns or raises. Each ubatch thread runs with the caller's torch settings
-        (intra-op threads, grad / inference mode, autocast, default device, CPU affinity);
-        CUDA work goes to the device of the ubatch streams.
+        (intra-op threads, grad / inference mode, autocast, default device); CUDA work goes
+        to the device of the ubatch streams. The workers run on the CPUs of the thread that
+        created the runner (Linux affinity), whatever the caller's are now.
 
         Streams (CUDA): ubatch i starts on its compute stream, which waits for the
         caller's current stream; before `run` returns, the caller's current stream waits

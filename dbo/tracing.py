@@ -92,8 +92,10 @@ class Trace:
 
     def add(self, name: str, ubatch_id: int, start_s: float, end_s: float) -> None:
         """Record a span of the calling thread (clipped to the trace's start: a turn
-        that began before the trace did counts from the trace's start)."""
-        span = Span(name, ubatch_id, max(start_s, self.start_s), end_s, threading.get_ident())
+        that began before the trace did counts from the trace's start; one that ended
+        before it, while the trace was being started, has length 0)."""
+        start_s = max(start_s, self.start_s)
+        span = Span(name, ubatch_id, start_s, max(end_s, start_s), threading.get_ident())
         with self._lock:  # several overlaps may run at once, from several callers
             if len(self.spans) < self.max_spans:
                 self.spans.append(span)

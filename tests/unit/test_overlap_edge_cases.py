@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -162,10 +163,13 @@ def test_the_cheap_default_device_agrees_with_torch() -> None:
     assert default_device() == torch.device("cpu")
 
 
-@pytest.mark.skipif(
+_needs_affinity = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs Linux CPU affinity and 2 CPUs",
 )
+
+
+@_needs_affinity
 def test_ubatch_threads_run_on_the_callers_cpus() -> None:
     """CPU affinity is per thread: pinning the caller (to keep every handoff on one
     core) must pin its ubatch threads too, and unpinning it must unpin them."""
@@ -187,6 +191,66 @@ def test_ubatch_threads_run_on_the_callers_cpus() -> None:
         os.sched_setaffinity(0, everything)
     _overlap(fn)(torch.zeros(4))
     assert seen == [one] * 4 + [everything] * 2
+
+
+@_needs_affinity
+def test_ubatch_threads_of_a_pinned_caller_never_serve_an_unpinned_one() -> None:
+    """A worker's intra-op pool keeps the CPUs the worker had when the pool started, so
+    workers are never re-pinned: an unpinned caller gets threads that were never pinned."""
+    everything = os.sched_getaffinity(0)
+    threads: dict[str, set[int]] = {"pinned": set(), "unpinned": set()}
+
+    def recorder(key: str) -> Any:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            threads[key].add(threading.get_native_id())
+            return x
+
+        return fn
+
+    _overlap(recorder("unpinned"))(torch.zeros(4))  # a runner created unpinned
+    caller = threading.Thread(
+        target=lambda: (
+            os.sched_setaffinity(0, {min(everything)}),
+            _overlap(recorder("pinned"))(torch.zeros(4)),
+        )
+    )
+    caller.start()
+    caller.join(timeout=TIMEOUT_S)
+    _overlap(recorder("unpinned"))(torch.zeros(4))
+    assert threads["pinned"] and threads["unpinned"]
+    assert not threads["pinned"] & threads["unpinned"]
+    for thread_id in threads["unpinned"]:
+        assert os.sched_getaffinity(thread_id) == everything
+
+
+def test_idle_runners_are_bounded_over_all_caller_cpu_sets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from dbo import _affinity
+
+    pool = sys.modules["dbo.overlap"]._runner_pool
+    dbo.close_default_runners()
+    cpu_sets = iter(frozenset({i}) for i in range(100))
+    monkeypatch.setattr(_affinity, "cpus_of_this_thread", lambda: next(cpu_sets))
+    for _ in range(12):  # twelve callers pinned to twelve different cores
+        _overlap(lambda x: x)(torch.zeros(4))
+    assert sum(map(len, pool._idle.values())) == 8
+    dbo.close_default_runners()
+
+
+def test_a_refused_affinity_query_does_not_break_overlaps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dbo import _affinity
+
+    def refuse(pid: int) -> set[int]:
+        raise PermissionError("sched_getaffinity is not allowed here")
+
+    monkeypatch.setattr(_affinity, "_get_affinity", refuse)
+    assert _affinity.cpus_of_this_thread() is None
+    assert torch.equal(_overlap(lambda x: x + 1)(torch.zeros(4)), torch.ones(4))
 
 
 def test_torch_func_transforms_run_inline_and_stay_correct() -> None:

@@ -205,3 +205,10 @@ def test_a_trace_started_inside_a_turn_starts_its_spans_at_the_trace() -> None:
     assert timeline.spans and all(span.start_s >= timeline.start_s for span in timeline.spans)
     events = timeline.to_chrome_trace()["traceEvents"]
     assert all(event["ts"] >= 0 for event in events if event["ph"] == "X")
+
+
+def test_a_span_that_ended_before_the_trace_started_has_no_negative_length() -> None:
+    timeline = dbo.Trace()
+    timeline.add("baton", 0, timeline.start_s - 2.0, timeline.start_s - 1.0)
+    (span,) = timeline.spans
+    assert span.start_s == span.end_s == timeline.start_s
