@@ -185,7 +185,10 @@ def _run(
     if stream is None:
         if async_op:
             return CollectiveWork(launch(group, True), tensors, yields=False, name=name)
-        _blocking(lambda: launch(group, False), name, tracing.CALLER)
+        if tracing.active() is None:  # the plain op, nothing around it
+            launch(group, False)
+        else:
+            _blocking(lambda: launch(group, False), name, tracing.CALLER)
         return None
     ubatch_id = dbo.current_ubatch_id()
     ubatch_group = _registry.lookup(group, ubatch_id)
@@ -269,6 +272,8 @@ def _require_world_chunks(
 
 
 def _check_async_op(async_op: Any) -> bool:
+    if async_op is False or async_op is True:
+        return async_op
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
     return async_op
@@ -297,15 +302,24 @@ def all_to_all_single(
     base = resolve_group(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base)
-    if output.shape != input.shape or output.ndim == 0:  # equal shapes: rows agree
+    same_shape = output.shape == input.shape
+    if not same_shape or output.ndim == 0:  # equal shapes: the rows agree
         _check_rows(output, input)
     world_size = base.size()
-    output_splits = check_split_sizes(
-        "output_split_sizes", output_split_sizes, "output", output, world_size
-    )
-    input_splits = check_split_sizes(
-        "input_split_sizes", input_split_sizes, "input", input, world_size
-    )
+    if (  # even splits of equal shapes: nothing more to check (the common call)
+        same_shape
+        and output_split_sizes is None
+        and input_split_sizes is None
+        and output.shape[0] % world_size == 0
+    ):
+        output_splits = input_splits = None
+    else:
+        output_splits = check_split_sizes(
+            "output_split_sizes", output_split_sizes, "output", output, world_size
+        )
+        input_splits = check_split_sizes(
+            "input_split_sizes", input_split_sizes, "input", input, world_size
+        )
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
         return dist.all_to_all_single(
