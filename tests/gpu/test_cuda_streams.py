@@ -104,3 +104,21 @@ def test_nccl_world_of_one_with_per_ubatch_communicators() -> None:
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "nccl world: all checks passed" in completed.stdout
+
+
+def test_trace_records_the_turns_of_a_cuda_overlap() -> None:
+    """The timeline is host-side: on CUDA it shows the turns (kernel launches) and the
+    overlapped call, the same as on CPU."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        dbo.yield_()
+        return x + 1
+
+    x = torch.arange(8.0, device="cuda")
+    with dbo.trace() as timeline:
+        y = dbo.overlap(fn)(x)
+    assert torch.equal(y, x * 2 + 1)
+    turns = timeline.totals()
+    assert turns[0].turns == turns[1].turns == 2
+    assert [span.name for span in timeline.spans].count("dbo.overlap") == 1
