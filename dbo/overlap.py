@@ -54,16 +54,20 @@ class _RunnerPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[_PoolKey, list[UBatchRunner]] = {}
+        self._idle: list[tuple[_PoolKey, UBatchRunner]] = []
+        """Idle runners, least recently returned first (at most 8: a linear scan)."""
         self._generation = 0
         self._atexit_registered = False
 
     @contextmanager
     def lease(self, num_ubatches: int, device: torch.device | None) -> Iterator[UBatchRunner]:
         key = (num_ubatches, device, _affinity.cpus_of_this_thread())
+        runner = None
         with self._lock:
-            idle = self._idle.setdefault(key, [])
-            runner = idle.pop() if idle else None
+            for index in range(len(self._idle) - 1, -1, -1):  # the most recent first
+                if self._idle[index][0] == key:
+                    runner = self._idle.pop(index)[1]
+                    break
             generation = self._generation
             if not self._atexit_registered:
                 atexit.register(self.close_all)
@@ -73,26 +77,29 @@ class _RunnerPool:
         try:
             yield runner
         finally:
-            keep = False
+            to_close = [runner]
             with self._lock:
-                idle = self._idle.setdefault(key, [])
                 if (
                     not (runner.broken or runner.closed)
                     and generation == self._generation
-                    and len(idle) < _MAX_IDLE_RUNNERS
-                    and sum(map(len, self._idle.values())) < _MAX_IDLE_RUNNERS_IN_ALL
+                    and sum(1 for idle_key, _ in self._idle if idle_key == key)
+                    < _MAX_IDLE_RUNNERS
                 ):
-                    idle.append(runner)
-                    keep = True
-            if not keep:
+                    self._idle.append((key, runner))
+                    to_close = []
+                    if len(self._idle) > _MAX_IDLE_RUNNERS_IN_ALL:
+                        # Keep the runner just used; let the least recently used go
+                        # (e.g. that of a pinned caller thread that has ended).
+                        to_close = [self._idle.pop(0)[1]]
+            for closing in to_close:
                 # A broken runner's workers end once their stuck ubatch returns.
-                runner.close(timeout_s=0)
+                closing.close(timeout_s=0)
 
     def close_all(self) -> None:
         """Close the idle runners; runners leased now are closed when their run ends."""
         with self._lock:
-            runners = [runner for idle in self._idle.values() for runner in idle]
-            self._idle = {}
+            runners = [runner for _, runner in self._idle]
+            self._idle = []
             self._generation += 1
         for runner in runners:
             runner.close(timeout_s=1.0)

@@ -223,7 +223,7 @@ def test_ubatch_threads_of_a_pinned_caller_never_serve_an_unpinned_one() -> None
         assert os.sched_getaffinity(thread_id) == everything
 
 
-def test_idle_runners_are_bounded_over_all_caller_cpu_sets(
+def test_idle_runners_are_bounded_and_the_least_recently_used_go_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import sys
@@ -232,11 +232,30 @@ def test_idle_runners_are_bounded_over_all_caller_cpu_sets(
 
     pool = sys.modules["dbo.overlap"]._runner_pool
     dbo.close_default_runners()
-    cpu_sets = iter(frozenset({i}) for i in range(100))
-    monkeypatch.setattr(_affinity, "cpus_of_this_thread", lambda: next(cpu_sets))
-    for _ in range(12):  # twelve callers pinned to twelve different cores
-        _overlap(lambda x: x)(torch.zeros(4))
-    assert sum(map(len, pool._idle.values())) == 8
+    caller_cpus: list[frozenset[int]] = [frozenset({0})]
+    monkeypatch.setattr(_affinity, "cpus_of_this_thread", lambda: caller_cpus[0])
+    monkeypatch.setattr(_affinity, "restore", lambda cpus: None)  # no real re-pinning
+
+    def worker_threads() -> set[int]:
+        seen: set[int] = set()
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            seen.add(threading.get_native_id())
+            return x
+
+        _overlap(fn)(torch.zeros(4))
+        return seen
+
+    mine = worker_threads()  # this caller's runner, used first
+    for core in range(1, 12):  # then callers pinned to eleven other cores
+        caller_cpus[0] = frozenset({core})
+        worker_threads()
+    assert len(pool._idle) == 8
+    caller_cpus[0] = frozenset({0})
+    assert worker_threads() != mine  # the least recently used runner went first
+    caller_cpus[0] = frozenset({11})
+    recent = worker_threads()
+    assert worker_threads() == recent  # a recently used one is kept, call after call
     dbo.close_default_runners()
 
 
