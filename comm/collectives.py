@@ -131,7 +131,7 @@ class CollectiveWork:
         try:
             if self._yields and yield_first and dbo.enabled():
                 dbo.yield_()
-            _blocking(self._work.wait, self._name)
+            _blocking(self._work.wait, self._name, None)
         finally:
             self._tensors = ()
             self._exit_cell.clear()
@@ -147,20 +147,20 @@ def _wait_left_over(cell: list[CollectiveWork]) -> None:
         cell[0].wait(yield_first=False)
 
 
-def _blocking(wait: Callable[[], Any], name: str, track: int | None = None) -> None:
-    """`wait()` (the host blocks until the collective is done), recorded on the timeline
-    as "wait <name>" when a `dbo.trace()` is active, on `track`: by default the calling
-    thread's ubatch (a recv hook may wait another ubatch's handle: the wait belongs to
-    the thread that blocks in it), or the caller's track outside an overlap."""
+def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any) -> None:
+    """`wait(*args)` (the host blocks until the collective is done), recorded on the
+    timeline as "wait <name>" when a `dbo.trace()` is active, on `track`; None: the
+    calling thread's ubatch (a recv hook may wait another ubatch's handle: the wait
+    belongs to the thread that blocks in it), or the caller's track outside an overlap."""
     recording = tracing.active()
     if recording is None:
-        wait()
+        wait(*args)
         return
     if track is None:
         track = dbo.current_ubatch_id() if dbo.enabled() else tracing.CALLER
     start = time.perf_counter()
     try:
-        wait()
+        wait(*args)
     finally:
         recording.add(f"wait {name}", track, start, time.perf_counter())
 
@@ -185,10 +185,7 @@ def _run(
     if stream is None:
         if async_op:
             return CollectiveWork(launch(group, True), tensors, yields=False, name=name)
-        if tracing.active() is None:  # the plain op, nothing around it
-            launch(group, False)
-        else:
-            _blocking(lambda: launch(group, False), name, tracing.CALLER)
+        _blocking(launch, name, tracing.CALLER, group, False)  # the plain blocking op
         return None
     ubatch_id = dbo.current_ubatch_id()
     ubatch_group = _registry.lookup(group, ubatch_id)
@@ -272,11 +269,9 @@ def _require_world_chunks(
 
 
 def _check_async_op(async_op: Any) -> bool:
-    if async_op is False or async_op is True:
+    if async_op is False or async_op is True:  # the only two bools
         return async_op
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
-    return async_op
+    raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
 
 def all_to_all_single(

@@ -4,11 +4,10 @@ Intra-op thread count, grad mode, inference mode, autocast (cpu, cuda, xpu, mps,
 and the privateuse1 backend), the default device (`with torch.device(...)`,
 `torch.set_default_device`) and the current CUDA device are all per thread in PyTorch.
 CPU affinity is per thread too, but is not replayed per call (see `dbo._affinity`).
-Not replayed: other
-torch-function and dispatch modes (e.g. FakeTensorMode) and saved-tensor hooks; enter
-those inside `fn`. `torch.func` transforms (grad, vmap) cannot cross threads:
-`dbo.overlap` runs inline under one. The profiler records the caller's thread only,
-unless started with
+Not replayed: other torch-function and dispatch modes (e.g. FakeTensorMode) and
+saved-tensor hooks; enter those inside `fn`. `torch.func` transforms (grad, vmap)
+cannot cross threads: `dbo.overlap` runs inline under one. The profiler records the
+caller's thread only, unless started with
 `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
 
 A worker that did not copy the settings would, for example, build autograd graphs

@@ -118,14 +118,9 @@ class Baton:
         finally:
             mutex.release()
         # Wake the successor and park at once, outside the mutex: the fewer bytecodes
-        # between the two, the sooner this thread drops the GIL the successor needs
-        # (so no helper call and no context manager here).
-        wake = self._wake
-        try:  # noqa: SIM105 - a context manager costs more bytecodes here
-            wake[successor].release()
-        except RuntimeError:
-            pass  # already released: a forced wake-up (watchdog) raced this handoff
-        wake[ubatch_id].acquire()
+        # between the two, the sooner this thread drops the GIL the successor needs.
+        _release_quietly(self._wake[successor])
+        self._wake[ubatch_id].acquire()
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
 

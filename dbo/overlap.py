@@ -236,38 +236,31 @@ def overlap(
             # lives in this thread's interpreter stack, which ubatch threads do not see.
             return inline(args, kwargs)
         recording = tracing._active
-        if recording is None:
-            return split_run_merge(args, kwargs)
-        start, ran_inline = time.perf_counter(), [False]
+        start = time.perf_counter() if recording is not None else 0.0
+        name = "dbo.overlap"
         try:
-            return split_run_merge(args, kwargs, ran_inline)
+            leaves = splittable_leaves(args, kwargs)
+            size = batch_size_of(leaves) if split is None else _largest_size(leaves)
+            if decision_group is not None:
+                size = _smallest_batch_across_ranks(0 if size is None else size, decision_group)
+            if size is None or size < num_ubatches or (
+                min_batch_size is not None and size < min_batch_size
+            ):
+                name = "dbo.overlap inline"
+                return inline(args, kwargs)
+            # The default split's size check already ran above (batch_size_of).
+            parts = split_parts(args, kwargs, num_ubatches) if split is None else split(
+                args, kwargs, num_ubatches
+            )
+            run_device = resolved_device or next(
+                (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
+            )
+            with _runner_pool.lease(num_ubatches, resolved_device) as runner:
+                outputs = runner.run(target, parts, timeout_s=timeout_s, device=run_device)
+            return (merge or default_merge)(outputs)
         finally:  # failed calls too: their turns are on the timeline
-            name = "dbo.overlap inline" if ran_inline[0] else "dbo.overlap"
-            recording.add(name, tracing.CALLER, start, time.perf_counter())
-
-    def split_run_merge(
-        args: tuple[Any, ...], kwargs: dict[str, Any], ran_inline: list[bool] | None = None
-    ) -> Any:
-        leaves = splittable_leaves(args, kwargs)
-        size = batch_size_of(leaves) if split is None else _largest_size(leaves)
-        if decision_group is not None:
-            size = _smallest_batch_across_ranks(0 if size is None else size, decision_group)
-        if size is None or size < num_ubatches or (
-            min_batch_size is not None and size < min_batch_size
-        ):
-            if ran_inline is not None:
-                ran_inline[0] = True
-            return inline(args, kwargs)
-        # The default split's size check already ran above (batch_size_of).
-        parts = split_parts(args, kwargs, num_ubatches) if split is None else split(
-            args, kwargs, num_ubatches
-        )
-        run_device = resolved_device or next(
-            (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
-        )
-        with _runner_pool.lease(num_ubatches, resolved_device) as runner:
-            outputs = runner.run(target, parts, timeout_s=timeout_s, device=run_device)
-        return (merge or default_merge)(outputs)
+            if recording is not None:
+                recording.add(name, tracing.CALLER, start, time.perf_counter())
 
     if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
         functools.update_wrapper(overlapped, fn, updated=())
