@@ -7,7 +7,7 @@ their registered `UBatchContext.scheduler`, which is how the module-level functi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +27,19 @@ class OverlapRun:
     """Per-call state shared by the ubatch threads of one run."""
 
     def __init__(
-        self, num_ubatches: int, backend: DeviceBackend, streams: list[UBatchStreams], owner: object
+        self,
+        num_ubatches: int,
+        backend: DeviceBackend,
+        streams: list[UBatchStreams],
+        owner: object,
+        wakeups: Sequence[Any] | None = None,
     ) -> None:
         self.num_ubatches = num_ubatches
         self.backend = backend
         self.streams = streams
         self.owner = owner
         """The runner that started this run (to refuse a run of the same runner inside it)."""
-        self.baton = Baton(num_ubatches)
+        self.baton = Baton(num_ubatches, wakeups)
         self.on_comm = [False] * num_ubatches
         self.fork_event: Any = None
         self.join_events: list[list[Any]] = [[] for _ in range(num_ubatches)]

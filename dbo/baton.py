@@ -5,9 +5,10 @@ the next live ubatch of the ring 0 -> 1 -> ... -> n-1 -> 0. That makes the order
 which ubatches launch kernels and collectives the same on every rank and every run,
 which is what keeps collectives matched across ranks.
 
-Each ubatch parks on its own `_thread` lock (held while the ubatch waits); handing the
-baton to ubatch j is one release of j's lock. A small mutex guards the bookkeeping so
-that the caller's watchdog can inspect and abort a run from outside.
+Each ubatch parks on its own wake-up (`dbo._wakeup`: an eventfd on Linux, so the
+successor wakes to a free GIL); handing the baton to ubatch j is one set of j's
+wake-up. A small mutex guards the bookkeeping so that the caller's watchdog can inspect
+and abort a run from outside.
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ from __future__ import annotations
 import _thread
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from dbo import tracing
+from dbo._wakeup import Wakeup
 from dbo.errors import UBatchAbortedError
-
-
-def _release_quietly(lock: _thread.LockType) -> None:
-    """Release `lock` unless it is already released (a forced wake-up may race a handoff)."""
-    try:  # noqa: SIM105 - cheaper than contextlib.suppress on this per-handoff path
-        lock.release()
-    except RuntimeError:
-        pass
 
 
 class Baton:
@@ -36,12 +32,17 @@ class Baton:
     then `wait_done()`.
     """
 
-    def __init__(self, num_ubatches: int) -> None:
+    def __init__(self, num_ubatches: int, wakeups: Sequence[Any] | None = None) -> None:
+        """`wakeups`: one per ubatch, which its thread parks on (`dbo._wakeup`); by
+        default new ones. A runner passes its workers' own, which they also park on
+        between runs, so that getting the baton is what starts a worker's job."""
         self.num_ubatches = num_ubatches
         self._mutex = _thread.allocate_lock()
-        self._wake = [_thread.allocate_lock() for _ in range(num_ubatches)]
-        for lock in self._wake:
-            lock.acquire()  # held = "not your turn"
+        self._wake = list(wakeups) if wakeups is not None else [
+            Wakeup() for _ in range(num_ubatches)
+        ]
+        if len(self._wake) != num_ubatches:
+            raise ValueError(f"need {num_ubatches} wake-ups, got {len(self._wake)}")
         self._live = [True] * num_ubatches
         self._num_live = num_ubatches
         self._done = _thread.allocate_lock()
@@ -56,9 +57,19 @@ class Baton:
 
     # ------------------------------------------------------------------ caller side
     def start(self) -> None:
-        """Give the baton to ubatch 0."""
+        """Give the baton to ubatch 0; call once every ubatch's thread can see its job.
+
+        If the run was aborted before (a `close()` from another thread), wake every live
+        ubatch instead: that abort's wake-ups may have come before the jobs did, and a
+        parked worker only looks for its job when woken.
+        """
         with self._mutex:
-            self._give(0)
+            if not self.aborted:
+                self._make_holder(0)
+                woken = [0]
+            else:
+                woken = [i for i in range(self.num_ubatches) if self._live[i]]
+        self._wake_up(woken)
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """Block until every ubatch has finished; False if `timeout_s` passed first."""
@@ -78,17 +89,16 @@ class Baton:
             if not self.aborted:
                 self.aborted = True
                 self.abort_reason = reason
-            if wake_all:
-                for ubatch_id in range(self.num_ubatches):
-                    if self._live[ubatch_id] and ubatch_id != self.holder:
-                        _release_quietly(self._wake[ubatch_id])
+            woken = [
+                ubatch_id for ubatch_id in range(self.num_ubatches)
+                if wake_all and self._live[ubatch_id] and ubatch_id != self.holder
+            ]
+        self._wake_up(woken)
 
     # ------------------------------------------------------------------ ubatch side
     def wait_turn(self, ubatch_id: int) -> None:
         """Park until `ubatch_id` holds the baton; raise if the run was aborted meanwhile."""
-        self._wake[ubatch_id].acquire()
-        if self.aborted:
-            raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
+        self._park(ubatch_id)
 
     def yield_(self, ubatch_id: int) -> None:
         """Hand the baton to the next live ubatch and park until it comes back.
@@ -117,12 +127,10 @@ class Baton:
             self.num_handoffs += 1
         finally:
             mutex.release()
-        # Wake the successor and park at once, outside the mutex: the fewer bytecodes
-        # between the two, the sooner this thread drops the GIL the successor needs.
-        _release_quietly(self._wake[successor])
-        self._wake[ubatch_id].acquire()
-        if self.aborted:
-            raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
+        # Wake the successor and park at once. Never wake under the mutex: on one core
+        # the woken thread runs at once and would block on the mutex straight away.
+        self._wake[successor].set()
+        self._park(ubatch_id)
 
     def finish(self, ubatch_id: int) -> None:
         """`ubatch_id` is done: pass the baton on, or signal the caller if it was the last."""
@@ -132,13 +140,31 @@ class Baton:
                 recording.add("baton", ubatch_id, self.holder_since, time.perf_counter())
             self._live[ubatch_id] = False
             self._num_live -= 1
-            if self._num_live == 0:
+            last = self._num_live == 0
+            if last:
                 self.holder = None
-                self._done.release()
-                return
-            self._give(self._next_live(ubatch_id))
+            else:
+                successor = self._next_live(ubatch_id)
+                self._make_holder(successor)
+        if last:
+            self._done.release()
+        else:
+            self._wake[successor].set()
 
     # ------------------------------------------------------------------ internals
+    def _park(self, ubatch_id: int) -> None:
+        """Wait until `ubatch_id` holds the baton or the run is aborted (then raise).
+
+        A wake-up is only a hint, `holder` is the truth: a set left over from a run
+        aborted earlier (coalesced, never consumed) or from the abort racing a handoff
+        wakes a thread whose turn it is not, and it parks again.
+        """
+        wake = self._wake[ubatch_id]
+        while self.holder != ubatch_id and not self.aborted:
+            wake.wait()
+        if self.aborted:
+            raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
+
     def _next_live(self, ubatch_id: int) -> int:
         successor = ubatch_id + 1 if ubatch_id + 1 < self.num_ubatches else 0
         if self._live[successor]:
@@ -149,9 +175,12 @@ class Baton:
                 return candidate
         raise AssertionError("no live ubatch left; finish() handles the last one")
 
-    def _give(self, ubatch_id: int) -> None:
-        """Make `ubatch_id` the holder and wake it (call with the mutex held)."""
+    def _make_holder(self, ubatch_id: int) -> None:
+        """Make `ubatch_id` the holder (call with the mutex held; wake it after)."""
         self.holder = ubatch_id
         self.holder_since = time.perf_counter()
         self.num_handoffs += 1
-        _release_quietly(self._wake[ubatch_id])
+
+    def _wake_up(self, ubatch_ids: list[int]) -> None:
+        for ubatch_id in ubatch_ids:
+            self._wake[ubatch_id].set()

@@ -17,7 +17,7 @@ import torch
 from dbo import _affinity, _thread_settings
 from dbo._context import UBatchContext, current_context, registered
 from dbo._run import OverlapRun, UBatchStreams
-from dbo.baton import _release_quietly
+from dbo._wakeup import Wakeup
 from dbo.device import DeviceBackend, backend_for
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
@@ -47,31 +47,35 @@ def check_timeout(timeout_s: Any) -> float | None:
 
 class _Worker:
     """One persistent thread; runs the jobs handed to it, one at a time, on the CPUs it
-    was started with (`dbo._affinity`)."""
+    was started with (`dbo._affinity`).
+
+    The worker parks on its `wake` between jobs, and the baton of each run parks the
+    worker's ubatch on the same wake-up: a submitted job starts when the baton first
+    reaches its ubatch (or the run is aborted), with one wake-up, not two.
+    """
 
     def __init__(self, name: str, cpus: frozenset[int] | None) -> None:
         self._cpus = cpus
-        self._ready = _thread.allocate_lock()
-        self._ready.acquire()
+        self.wake = Wakeup()
         self._job: Callable[[], None] | None = None
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` in the worker. A job left here by an interrupted run was revoked
-        (it does nothing if it ever runs), so it may be replaced."""
+        """Hand `job` to the worker, to run at its next wake-up (its baton turn). A job
+        left here by an interrupted run was revoked (it does nothing if it ever runs),
+        so it may be replaced."""
         self._job = job
-        _release_quietly(self._ready)
 
     def stop(self) -> None:
         """End the thread once its current job, if any, returns."""
         self._stopping = True
-        _release_quietly(self._ready)
+        self.wake.set()
 
     def _loop(self) -> None:
         while True:
-            self._ready.acquire()
+            self.wake.wait()  # a wake-up without a job (left over from an abort): park again
             job, self._job = self._job, None
             if job is not None:
                 job()
@@ -263,7 +267,10 @@ class UBatchRunner:
         device: torch.device | None,
     ) -> list[Any]:
         backend, streams = self._backend_and_streams(inputs, device)
-        run = OverlapRun(self.num_ubatches, backend, streams, owner=self)
+        run = OverlapRun(
+            self.num_ubatches, backend, streams, owner=self,
+            wakeups=[worker.wake for worker in self._workers],
+        )
         settings = _thread_settings.capture()
         caller_stream = backend.current_stream()
         run.fork_event = backend.record_event(caller_stream)
