@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
+from comm import _launch
 from comm._checks import (
     backend_is_nccl,
     check_split_sizes,
@@ -66,19 +67,8 @@ ReduceOp = dist.ReduceOp
 _registry = group_registry()
 
 _Launch = Callable[[dist.ProcessGroup, bool], Any]
-"""`launch(group, async_op) -> Work | None`: the torch.distributed call itself."""
-
-
-def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
-    """`dist.all_gather_single` (torch >= 2.13; the old name warns), else the old name."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(*args, **kwargs)
-
-
-def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
-    """`dist.reduce_scatter_single` (torch >= 2.13; the old name warns), else the old name."""
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(*args, **kwargs)
+"""`launch(group, async_op) -> Work | None`: the collective itself (`comm._launch`: the
+process group's method for a plain call, else torch.distributed's function)."""
 
 
 class CollectiveWork:
@@ -317,9 +307,8 @@ def all_to_all_single(
         )
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return dist.all_to_all_single(
-            output, input, output_splits, input_splits, group=process_group,
-            async_op=launch_async,
+        return _launch.all_to_all_single(
+            process_group, output, input, output_splits, input_splits, launch_async
         )
 
     return _run("all_to_all_single", launch, (output, input), base, async_op)
@@ -347,7 +336,7 @@ def all_reduce(
     require_backend_device(base, "tensor", tensor)
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return dist.all_reduce(tensor, op=op, group=process_group, async_op=launch_async)
+        return _launch.all_reduce(process_group, tensor, op, launch_async)
 
     return _run("all_reduce", launch, (tensor,), base, async_op)
 
@@ -374,7 +363,7 @@ def all_gather_into_tensor(
     _require_world_chunks("output", output, "input", input, world_size)
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return _all_gather_single(output, input, group=process_group, async_op=launch_async)
+        return _launch.all_gather_into_tensor(process_group, output, input, launch_async)
 
     return _run("all_gather_into_tensor", launch, (output, input), base, async_op)
 
@@ -403,8 +392,6 @@ def reduce_scatter_tensor(
     _require_world_chunks("input", input, "output", output, world_size)
 
     def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return _reduce_scatter_single(
-            output, input, op=op, group=process_group, async_op=launch_async
-        )
+        return _launch.reduce_scatter_tensor(process_group, output, input, op, launch_async)
 
     return _run("reduce_scatter_tensor", launch, (output, input), base, async_op)

@@ -61,7 +61,7 @@ class _EventfdWakeup:
     def __del__(self) -> None:
         # Only when nothing refers to it any more: no thread can be blocked on the fd
         # (a waiter's frame holds the object), so no other thread can see it reused.
-        try:
+        try:  # noqa: SIM105 - no contextlib import to rely on at interpreter exit
             os.close(self._fd)
         except (OSError, AttributeError, TypeError):  # AttributeError: at exit, os gone
             pass

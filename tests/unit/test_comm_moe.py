@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import comm
 import dbo
+from comm import _launch
 
 
 def test_dispatch_groups_rows_by_expert_and_combine_weights_them(world_of_one: None) -> None:
@@ -87,7 +87,7 @@ def test_bad_dispatch_raises_before_any_collective(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch, index: int
 ) -> None:
     launched: list[Any] = []
-    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(_launch, "all_to_all_single", lambda *a, **k: launched.append(a))
     call, error, text = _bad_dispatch_calls()[index]
     with pytest.raises(error, match=text):
         call()
@@ -101,7 +101,7 @@ def test_bad_combine_raises_before_any_collective(
     recv_x, _, handle = comm.moe.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), 2)
     weights = torch.ones(4, 2)
     launched: list[Any] = []
-    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(_launch, "all_to_all_single", lambda *a, **k: launched.append(a))
     cases = [
         (lambda: comm.moe.combine(recv_x[:7], handle, weights), ValueError, "num_recv_tokens = 8"),
         (lambda: comm.moe.combine(recv_x, handle, weights[:, :1]), ValueError, r"\[4, 2\]"),

@@ -1,0 +1,144 @@
+"""Launching a checked collective on a process group.
+
+torch.distributed's functions (`dist.all_reduce`, ...) check their arguments, hand
+tensor subclasses to `__torch_function__`, view complex tensors as real, record the
+call inside a `dist._coalescing_manager` instead of launching it, and then call one
+method of the process group. `comm` has already checked the arguments by the time it
+launches (with errors that name the bad value), so for a plain call it calls that
+method itself: on the project's VM that is ~13 us less host time per collective, as
+much again as all of `comm`'s own work (`benchmarks/host_overhead.py`), and a host
+that has to stay ahead of the GPU pays it on every collective of every layer.
+
+A plain call: tensors of exactly `torch.Tensor` (no subclass, so no
+`__torch_function__`), none complex, a group that is not coalescing, and no
+`torch.compile` tracing (Dynamo turns torch.distributed's functions into traceable
+functional collectives; a process-group method would break the graph). Anything else
+goes through torch.distributed's function, which knows what to do with it. Both paths
+pass the same options (`asyncOp` where this torch has it) and, for a blocking call,
+wait the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+
+_ProcessGroup = dist.ProcessGroup
+
+
+def _method(*names: str) -> Any:
+    """The first of `names` that this torch's ProcessGroup has (newest name first, as
+    torch.distributed's own function calls it), or None: then always torch's path."""
+    for name in names:
+        method = getattr(_ProcessGroup, name, None)
+        if method is not None:
+            return method
+    return None
+
+
+def _fast(options_type: str, *names: str) -> tuple[Any, Any] | None:
+    """(method, options type) for the direct launch, or None if this torch lacks either."""
+    method, options = _method(*names), getattr(_c10d, options_type, None)
+    return None if method is None or options is None else (method, options)
+
+
+_ALL_TO_ALL = _fast("AllToAllOptions", "all_to_all_single", "alltoall_base")
+_ALL_REDUCE = _fast("AllreduceOptions", "allreduce")
+_ALL_GATHER = _fast("AllgatherOptions", "all_gather_single", "_allgather_base")
+_REDUCE_SCATTER = _fast("ReduceScatterOptions", "reduce_scatter_single", "_reduce_scatter_base")
+_HAS_ASYNC_OP = hasattr(_c10d.AllreduceOptions(), "asyncOp")
+_world = getattr(_c10d, "_world", None)
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _coalescing(group: dist.ProcessGroup) -> bool:
+    """Whether `group` is inside a `dist._coalescing_manager` (True when this torch
+    does not say: then torch's path decides)."""
+    state = getattr(_world, "pg_coalesce_state", None)
+    return state is None or group in state
+
+
+def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) -> bool:
+    return (
+        type(first) is torch.Tensor
+        and type(second) is torch.Tensor
+        and not first.is_complex()
+        and not second.is_complex()
+        and not _coalescing(group)
+        and not _is_compiling()
+    )
+
+
+def _options(options_type: Any, async_op: bool) -> Any:
+    options = options_type()
+    if _HAS_ASYNC_OP:
+        options.asyncOp = async_op
+    return options
+
+
+def _done(work: Any, async_op: bool) -> Any:
+    """What torch.distributed's function returns: the Work, or None after waiting."""
+    if async_op:
+        return work
+    if work is not None:  # a backend that synchronized in C++ returns None
+        work.wait()
+    return None
+
+
+def all_to_all_single(
+    group: dist.ProcessGroup,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None,
+    async_op: bool,
+) -> Any:
+    if _ALL_TO_ALL is not None and _plain(group, output, input):
+        method, options_type = _ALL_TO_ALL
+        work = method(
+            group, output, input,
+            [] if output_split_sizes is None else output_split_sizes,
+            [] if input_split_sizes is None else input_split_sizes,
+            _options(options_type, async_op),
+        )
+        return _done(work, async_op)
+    return dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: Any, async_op: bool) -> Any:
+    if _ALL_REDUCE is not None and _plain(group, tensor, tensor):
+        method, options_type = _ALL_REDUCE
+        options = _options(options_type, async_op)
+        options.reduceOp = op
+        return _done(method(group, [tensor], options), async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(
+    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, async_op: bool
+) -> Any:
+    if _ALL_GATHER is not None and _plain(group, output, input):
+        method, options_type = _ALL_GATHER
+        return _done(method(group, output, input, _options(options_type, async_op)), async_op)
+    # `dist.all_gather_single` is the name since torch 2.13 (the old one warns).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, op: Any, async_op: bool
+) -> Any:
+    if _REDUCE_SCATTER is not None and _plain(group, output, input):
+        method, options_type = _REDUCE_SCATTER
+        options = _options(options_type, async_op)
+        options.reduceOp = op
+        return _done(method(group, output, input, options), async_op)
+    # `dist.reduce_scatter_single` is the name since torch 2.13 (the old one warns).
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=op, group=group, async_op=async_op)

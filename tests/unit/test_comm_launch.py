@@ -1,0 +1,165 @@
+"""How comm launches a checked collective (`comm._launch`): a plain call goes straight to
+the process group's method, anything torch.distributed's function treats specially
+(tensor subclasses, complex tensors, coalescing, torch.compile tracing) goes through
+that function. Results are checked on both paths; across real ranks the distributed
+tests check the values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+import dbo
+from comm import _launch
+
+TORCH_FUNCTIONS = (
+    "all_to_all_single", "all_reduce", "all_gather_single", "all_gather_into_tensor",
+    "reduce_scatter_single", "reduce_scatter_tensor",
+)
+
+
+@pytest.fixture
+def torch_calls(world_of_one: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of torch.distributed's collective functions called (they still run)."""
+    called: list[str] = []
+    for name in TORCH_FUNCTIONS:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def recording(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            called.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, recording)
+    yield called
+
+
+def _every_collective(make: Callable[[torch.Tensor], torch.Tensor], async_op: bool) -> None:
+    """Run each collective once on tensors from `make` and check the world-of-one result."""
+    x = make(torch.arange(6.0).reshape(3, 2))
+    out = torch.empty_like(x)
+    for call in (
+        lambda: comm.all_to_all_single(out, x, async_op=async_op),
+        lambda: comm.all_to_all_single(out, x, [3], [3], async_op=async_op),
+    ):
+        out.zero_()
+        work = call()
+        if async_op:
+            work.wait()
+        assert torch.equal(out, x)
+    summed = x.clone()
+    work = comm.all_reduce(summed, async_op=async_op)
+    if async_op:
+        work.wait()
+    assert torch.equal(summed, x)
+    gathered = torch.empty_like(x)
+    work = comm.all_gather_into_tensor(gathered, x, async_op=async_op)
+    if async_op:
+        work.wait()
+    assert torch.equal(gathered, x)
+    scattered = torch.empty_like(x)
+    work = comm.reduce_scatter_tensor(scattered, x, op=comm.ReduceOp.MAX, async_op=async_op)
+    if async_op:
+        work.wait()
+    assert torch.equal(scattered, x)
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_plain_call_skips_torch_distributed_functions(
+    torch_calls: list[str], async_op: bool
+) -> None:
+    if None in (_launch._ALL_TO_ALL, _launch._ALL_REDUCE, _launch._ALL_GATHER,
+                _launch._REDUCE_SCATTER):
+        pytest.skip("this torch lacks a process-group method comm calls directly")
+    _every_collective(lambda t: t, async_op)
+    assert torch_calls == []
+
+
+def test_a_plain_call_inside_an_overlap_skips_them_too(torch_calls: list[str]) -> None:
+    def body(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        comm.all_to_all_single(out, x)
+        comm.all_reduce(out)
+        return out
+
+    x = torch.arange(8.0).reshape(4, 2)
+    assert torch.equal(dbo.overlap(body)(x), x)
+    assert torch_calls == []
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass with its own `__torch_function__`: torch's path must see it."""
+
+    seen: list[str] = []  # noqa: RUF012 - shared on purpose: records across instances
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_tensor_subclass_goes_through_torch_distributed(torch_calls: list[str]) -> None:
+    x = torch.arange(4.0).as_subclass(_Tagged)
+    _Tagged.seen.clear()
+    comm.all_reduce(x)
+    assert torch_calls == ["all_reduce"]
+    assert "all_reduce" in _Tagged.seen, "the subclass's __torch_function__ was bypassed"
+
+
+def test_complex_tensors_go_through_torch_distributed(torch_calls: list[str]) -> None:
+    x = torch.tensor([1 + 2j, 3 - 4j])
+    summed = x.clone()
+    comm.all_reduce(summed)
+    assert torch.equal(summed, x)
+    out = torch.empty_like(x)
+    comm.all_to_all_single(out, x)
+    assert torch.equal(out, x)
+    assert torch_calls == ["all_reduce", "all_to_all_single"]
+
+
+def test_a_coalescing_group_goes_through_torch_distributed(torch_calls: list[str]) -> None:
+    group = dist.group.WORLD
+    state = _launch._world.pg_coalesce_state
+    state[group] = []  # what `dist._coalescing_manager` sets while it records
+    try:
+        assert _launch._coalescing(group)
+    finally:
+        del state[group]
+    assert not _launch._coalescing(group)
+    with dist._coalescing_manager(group=group):
+        x = torch.ones(3)
+        comm.all_reduce(x)
+    assert torch_calls == ["all_reduce"]  # recorded by torch, launched on exit
+    assert torch.equal(x, torch.ones(3))
+
+
+def test_torch_compile_tracing_goes_through_torch_distributed(
+    torch_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_launch, "_is_compiling", lambda: True)
+    _every_collective(lambda t: t, async_op=False)
+    assert torch_calls == [
+        "all_to_all_single", "all_to_all_single", "all_reduce",
+        torch_calls[3], torch_calls[4],  # the gather/scatter names depend on torch's version
+    ]
+    assert torch_calls[3].startswith("all_gather") and torch_calls[4].startswith("reduce_scatter")
+
+
+def test_a_torch_without_the_methods_uses_its_functions(
+    torch_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("_ALL_TO_ALL", "_ALL_REDUCE", "_ALL_GATHER", "_REDUCE_SCATTER"):
+        monkeypatch.setattr(_launch, name, None)
+    _every_collective(lambda t: t, async_op=True)
+    assert len(torch_calls) == 5
+
+
+def test_an_unknown_coalescing_state_means_torch_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_launch, "_world", None)
+    assert _launch._coalescing(dist.group.WORLD if dist.is_initialized() else None)  # type: ignore[arg-type]
