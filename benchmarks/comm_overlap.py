@@ -21,7 +21,8 @@ Printed per row: c and m (one ubatch's compute and all-to-all per layer, each me
 alone in this run), step times, speedup over serial, and the hidden fraction
 (T_serial - T) / (T_serial - T_ideal) with T_ideal = max(C, M) + min(c, m), C and M the
 totals over both ubatches. Every mode is timed in interleaved rounds (median of the
-per-round best of two steps, max over the ranks), so the ratios share the conditions.
+per-round best of two steps, max over the ranks), so the ratios share the conditions;
+each round starts at the next mode, so that no mode always runs right after another.
 
 The first table measures two all-to-alls in flight at once, on one group or on one
 group each, against one after the other (the question behind `comm.ubatch_groups`).
@@ -100,10 +101,12 @@ def _interleaved(
     "a/b q3": the quartiles of those per-round ratios (their spread), max over ranks.
     """
     samples: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(rounds):
-        for name, fn in modes.items():
-            samples[name].append(_time_ms(fn))
     names = list(modes)
+    for round_index in range(rounds):
+        # Each round starts at the next mode: no mode always runs right after another.
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(_time_ms(modes[name]))
     values = [statistics.median(samples[name]) for name in modes]
     for a, b in ratios:
         per_round = [x / y for x, y in zip(samples[a], samples[b])]
@@ -457,7 +460,7 @@ def _parse_configs(text: str) -> list[tuple[int, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per mode")
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per mode")
     parser.add_argument("--layers", type=int, default=16, help="layers per step")
     parser.add_argument("--timeout-s", type=float, default=110.0, help="give up after this")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
