@@ -52,6 +52,7 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python benchmarks/workspace_alloc.py
 	$(BIN)/python benchmarks/handoff.py
+	$(BIN)/python benchmarks/wakeup_kinds.py
 	$(BIN)/python benchmarks/host_overhead.py
 	$(BIN)/python benchmarks/overlap_efficiency.py
 	$(BIN)/python benchmarks/comm_overlap.py

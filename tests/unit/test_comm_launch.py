@@ -32,7 +32,9 @@ def torch_calls(world_of_one: None, monkeypatch: pytest.MonkeyPatch) -> Iterator
         if original is None:
             continue
 
-        def recording(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+        def recording(
+            *args: Any, _name: str = name, _original: Any = original, **kwargs: Any
+        ) -> Any:
             called.append(_name)
             return _original(*args, **kwargs)
 

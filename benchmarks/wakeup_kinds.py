@@ -1,0 +1,103 @@
+"""The baton's wake-up kinds side by side: eventfd (Linux default) vs `_thread` lock.
+
+    taskset -c 0 .venv/bin/python benchmarks/wakeup_kinds.py   # one core
+    .venv/bin/python benchmarks/wakeup_kinds.py                # let the OS place threads
+
+Two `UBatchRunner`s, identical except for the kind of wake-up their workers (and so
+their batons) park on, run the same calls in interleaved rounds:
+  - `identity`: one overlapped call that does nothing (the per-call cost: wake the
+    workers, pass the baton twice, signal the caller);
+  - `100 handoffs`: each of the 2 ubatches calls `dbo.yield_()` 50 times.
+Printed: microseconds per call for each kind, the median of the per-round ratios
+eventfd / lock (paired: the host's drift cancels), and the context switches per call
+(`getrusage`: voluntary + involuntary, whole process). See docs/architecture.md,
+"What a handoff costs", for why the counts differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import dbo
+from dbo import _wakeup
+from dbo import runner as runner_module
+
+
+def _runner_with(kind: type) -> dbo.UBatchRunner:
+    """A runner whose workers park on wake-ups of `kind` (the runner module picks the
+    kind when it starts its workers)."""
+    default = runner_module.Wakeup
+    runner_module.Wakeup = kind  # type: ignore[misc]
+    try:
+        return dbo.UBatchRunner(num_ubatches=2)
+    finally:
+        runner_module.Wakeup = default  # type: ignore[misc]
+
+
+def _switches() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
+
+
+def _time(runner: dbo.UBatchRunner, fn: Callable[[Any], Any], calls: int) -> tuple[float, float]:
+    """(us per call, context switches per call) for `calls` runs of `fn`."""
+    inputs = [((None,), {}), ((None,), {})]
+    switches = _switches()
+    start = time.perf_counter()
+    for _ in range(calls):
+        runner.run(fn, inputs)
+    elapsed = time.perf_counter() - start
+    return elapsed / calls * 1e6, (_switches() - switches) / calls
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _fifty_yields(x: Any) -> Any:
+    for _ in range(50):
+        dbo.yield_()
+    return x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=21)
+    args = parser.parse_args()
+    if _wakeup._EventfdWakeup not in _wakeup.KINDS:
+        raise SystemExit("no eventfd on this platform: the baton uses locks, nothing to compare")
+    torch.set_num_threads(1)
+    runners = {"lock": _runner_with(_wakeup._LockWakeup), "eventfd": _runner_with(_wakeup.Wakeup)}
+    print(f"{'call':<14}{'lock us':>9}{'eventfd us':>12}{'eventfd/lock':>14}"
+          f"{'switches: lock':>16}{'eventfd':>9}")
+    try:
+        for name, fn, calls in (("identity", _identity, 300), ("100 handoffs", _fifty_yields, 40)):
+            for runner in runners.values():
+                _time(runner, fn, calls // 10)  # warm up
+            samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in runners}
+            for round_index in range(args.rounds):
+                order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
+                for kind in order:
+                    samples[kind].append(_time(runners[kind], fn, calls))
+            lock_us = [us for us, _ in samples["lock"]]
+            eventfd_us = [us for us, _ in samples["eventfd"]]
+            ratio = statistics.median(e / lo for e, lo in zip(eventfd_us, lock_us))
+            print(
+                f"{name:<14}{statistics.median(lock_us):9.1f}{statistics.median(eventfd_us):12.1f}"
+                f"{ratio:14.2f}{statistics.median(s for _, s in samples['lock']):16.1f}"
+                f"{statistics.median(s for _, s in samples['eventfd']):9.1f}"
+            )
+    finally:
+        for runner in runners.values():
+            runner.close()
+
+
+if __name__ == "__main__":
+    main()
