@@ -9,13 +9,17 @@ method itself: on the project's VM that is ~13 us less host time per collective,
 much again as all of `comm`'s own work (`benchmarks/host_overhead.py`), and a host
 that has to stay ahead of the GPU pays it on every collective of every layer.
 
-A plain call: tensors of exactly `torch.Tensor` (no subclass, so no
-`__torch_function__`), none complex, a group that is not coalescing, and no
-`torch.compile` tracing (Dynamo turns torch.distributed's functions into traceable
-functional collectives; a process-group method would break the graph). Anything else
-goes through torch.distributed's function, which knows what to do with it. Both paths
-pass the same options (`asyncOp` where this torch has it) and, for a blocking call,
-wait the same way.
+A plain call: a group of exactly `ProcessGroup` (a subclass written in Python may
+override the method torch's function calls), tensors with no `__torch_function__` to
+honour (no subclass that defines one and no active `TorchFunctionMode`, which is how
+non-strict `torch.export` sees collectives; `with torch.device(...)` is such a mode
+too), none complex, a group that is not coalescing, and no `torch.compile` tracing
+(Dynamo turns torch.distributed's functions into traceable functional collectives; a
+process-group method would break the graph). Anything else goes through
+torch.distributed's function, which knows what to do with it. Both paths pass the same
+options (`asyncOp` where this torch's options type has it) and, for a blocking call,
+wait the same way. One difference remains: a failure on the direct path is not written
+to torch.distributed's exception log (`c10d_logger`); it is raised all the same.
 """
 
 from __future__ import annotations
@@ -40,32 +44,35 @@ def _method(*names: str) -> Any:
     return None
 
 
-def _fast(options_type: str, *names: str) -> tuple[Any, Any] | None:
-    """(method, options type) for the direct launch, or None if this torch lacks either."""
+def _fast(options_type: str, *names: str) -> tuple[Any, Any, bool] | None:
+    """(method, options type, whether the options have `asyncOp`) for the direct launch,
+    or None if this torch lacks the method or the options type."""
     method, options = _method(*names), getattr(_c10d, options_type, None)
-    return None if method is None or options is None else (method, options)
+    if method is None or options is None:
+        return None
+    return method, options, hasattr(options(), "asyncOp")
 
 
 _ALL_TO_ALL = _fast("AllToAllOptions", "all_to_all_single", "alltoall_base")
 _ALL_REDUCE = _fast("AllreduceOptions", "allreduce")
 _ALL_GATHER = _fast("AllgatherOptions", "all_gather_single", "_allgather_base")
 _REDUCE_SCATTER = _fast("ReduceScatterOptions", "reduce_scatter_single", "_reduce_scatter_base")
-_HAS_ASYNC_OP = hasattr(_c10d.AllreduceOptions(), "asyncOp")
-_world = getattr(_c10d, "_world", None)
+_has_torch_function = torch._C._has_torch_function
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _coalescing(group: dist.ProcessGroup) -> bool:
     """Whether `group` is inside a `dist._coalescing_manager` (True when this torch
-    does not say: then torch's path decides)."""
-    state = getattr(_world, "pg_coalesce_state", None)
+    does not say: then torch's path decides). Read at each call: torch's test backends
+    replace the module's `_world`."""
+    state = getattr(getattr(_c10d, "_world", None), "pg_coalesce_state", None)
     return state is None or group in state
 
 
 def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) -> bool:
     return (
-        type(first) is torch.Tensor
-        and type(second) is torch.Tensor
+        type(group) is _ProcessGroup
+        and not _has_torch_function((first, second))
         and not first.is_complex()
         and not second.is_complex()
         and not _coalescing(group)
@@ -73,9 +80,9 @@ def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) 
     )
 
 
-def _options(options_type: Any, async_op: bool) -> Any:
-    options = options_type()
-    if _HAS_ASYNC_OP:
+def _options(fast: tuple[Any, Any, bool], async_op: bool) -> Any:
+    options = fast[1]()
+    if fast[2]:
         options.asyncOp = async_op
     return options
 
@@ -98,12 +105,11 @@ def all_to_all_single(
     async_op: bool,
 ) -> Any:
     if _ALL_TO_ALL is not None and _plain(group, output, input):
-        method, options_type = _ALL_TO_ALL
-        work = method(
+        work = _ALL_TO_ALL[0](
             group, output, input,
             [] if output_split_sizes is None else output_split_sizes,
             [] if input_split_sizes is None else input_split_sizes,
-            _options(options_type, async_op),
+            _options(_ALL_TO_ALL, async_op),
         )
         return _done(work, async_op)
     return dist.all_to_all_single(
@@ -113,10 +119,9 @@ def all_to_all_single(
 
 def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: Any, async_op: bool) -> Any:
     if _ALL_REDUCE is not None and _plain(group, tensor, tensor):
-        method, options_type = _ALL_REDUCE
-        options = _options(options_type, async_op)
+        options = _options(_ALL_REDUCE, async_op)
         options.reduceOp = op
-        return _done(method(group, [tensor], options), async_op)
+        return _done(_ALL_REDUCE[0](group, [tensor], options), async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -124,8 +129,8 @@ def all_gather_into_tensor(
     group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, async_op: bool
 ) -> Any:
     if _ALL_GATHER is not None and _plain(group, output, input):
-        method, options_type = _ALL_GATHER
-        return _done(method(group, output, input, _options(options_type, async_op)), async_op)
+        options = _options(_ALL_GATHER, async_op)
+        return _done(_ALL_GATHER[0](group, output, input, options), async_op)
     # `dist.all_gather_single` is the name since torch 2.13 (the old one warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
@@ -135,10 +140,9 @@ def reduce_scatter_tensor(
     group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, op: Any, async_op: bool
 ) -> Any:
     if _REDUCE_SCATTER is not None and _plain(group, output, input):
-        method, options_type = _REDUCE_SCATTER
-        options = _options(options_type, async_op)
+        options = _options(_REDUCE_SCATTER, async_op)
         options.reduceOp = op
-        return _done(method(group, output, input, options), async_op)
+        return _done(_REDUCE_SCATTER[0](group, output, input, options), async_op)
     # `dist.reduce_scatter_single` is the name since torch 2.13 (the old one warns).
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)

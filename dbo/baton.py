@@ -47,6 +47,8 @@ class Baton:
         self._num_live = num_ubatches
         self._done = _thread.allocate_lock()
         self._done.acquire()
+        self._finished = False
+        """Every ubatch has finished (set before `_done` is released)."""
         self.aborted = False
         self.abort_reason = ""
         self.holder: int | None = None
@@ -73,11 +75,13 @@ class Baton:
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """Block until every ubatch has finished; False if `timeout_s` passed first."""
+        if self._finished:  # also after an interrupt between the acquire and the release
+            return True
         timeout = -1.0 if timeout_s is None else min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)
         if self._done.acquire(timeout=timeout):
             self._done.release()  # stay "done" for any later query
             return True
-        return False
+        return self._finished
 
     def abort(self, reason: str, wake_all: bool = False) -> None:
         """Mark the run aborted: every ubatch raises `UBatchAbortedError` at its next yield.
@@ -133,22 +137,31 @@ class Baton:
         self._park(ubatch_id)
 
     def finish(self, ubatch_id: int) -> None:
-        """`ubatch_id` is done: pass the baton on, or signal the caller if it was the last."""
+        """`ubatch_id` is done: pass the baton on if it held it, and signal the caller if
+        it was the last.
+
+        A ubatch that did not hold the baton (its job revoked by an interrupted caller,
+        or woken by the watchdog while another ubatch is stuck) passes nothing on: the
+        holder is still running, or the run is aborted and every live ubatch was woken.
+        """
+        successor = None
         with self._mutex:
             recording = tracing._active
-            if recording is not None and self.holder == ubatch_id:
+            held = self.holder == ubatch_id
+            if recording is not None and held:
                 recording.add("baton", ubatch_id, self.holder_since, time.perf_counter())
             self._live[ubatch_id] = False
             self._num_live -= 1
             last = self._num_live == 0
             if last:
                 self.holder = None
-            else:
+                self._finished = True
+            elif held:
                 successor = self._next_live(ubatch_id)
                 self._make_holder(successor)
         if last:
             self._done.release()
-        else:
+        elif successor is not None:
             self._wake[successor].set()
 
     # ------------------------------------------------------------------ internals

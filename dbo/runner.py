@@ -290,17 +290,20 @@ class UBatchRunner:
             self._wait(run, timeout_s)
         except BaseException as error:
             # The watchdog, or an interrupt (KeyboardInterrupt) anywhere above, even inside
-            # a submit: no worker may stay parked. A job that has not started is revoked
-            # and counted as finished here; the others finish themselves. Wake everyone and
-            # give them a moment to unwind; until they do, the runner is unusable.
+            # a submit: no worker may stay parked. Abort first, so that a job the baton
+            # reaches from here on unwinds instead of starting `fn`. A job that has not
+            # started is revoked and counted as finished here; the others finish
+            # themselves. Wake everyone and give them a moment to unwind; until they do,
+            # the runner is unusable.
             self._broken = "an aborted run's ubatch threads have not finished"
-            for ubatch_id, job in enumerate(jobs):
-                if job.revoke():
-                    run.baton.finish(ubatch_id)
             reason = (
                 "the watchdog fired" if isinstance(error, OverlapTimeoutError)
                 else f"the caller was interrupted ({type(error).__name__})"
             )
+            run.baton.abort(reason)
+            for ubatch_id, job in enumerate(jobs):
+                if job.revoke():
+                    run.baton.finish(ubatch_id)
             run.baton.abort(reason, wake_all=True)
             if run.baton.wait_done(_ABORT_GRACE_S):
                 self._broken = None

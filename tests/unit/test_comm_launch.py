@@ -7,11 +7,14 @@ tests check the values."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
+from torch.overrides import TorchFunctionMode
 
 import comm
 import dbo
@@ -127,7 +130,7 @@ def test_complex_tensors_go_through_torch_distributed(torch_calls: list[str]) ->
 
 def test_a_coalescing_group_goes_through_torch_distributed(torch_calls: list[str]) -> None:
     group = dist.group.WORLD
-    state = _launch._world.pg_coalesce_state
+    state = _c10d._world.pg_coalesce_state
     state[group] = []  # what `dist._coalescing_manager` sets while it records
     try:
         assert _launch._coalescing(group)
@@ -162,6 +165,102 @@ def test_a_torch_without_the_methods_uses_its_functions(
     assert len(torch_calls) == 5
 
 
-def test_an_unknown_coalescing_state_means_torch_decides(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_launch, "_world", None)
-    assert _launch._coalescing(dist.group.WORLD if dist.is_initialized() else None)  # type: ignore[arg-type]
+def test_an_unknown_coalescing_state_means_torch_decides(
+    torch_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_launch, "_c10d", SimpleNamespace())  # a torch without `_world`
+    comm.all_reduce(torch.ones(2))
+    assert torch_calls == ["all_reduce"]
+
+
+def test_an_active_torch_function_mode_sees_the_collective(torch_calls: list[str]) -> None:
+    """Non-strict `torch.export` intercepts collectives with a mode, not a subclass."""
+    seen: list[str] = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(2)
+    with Recording():
+        comm.all_reduce(x)
+    assert torch_calls == ["all_reduce"]
+    assert "all_reduce" in seen, "the mode's __torch_function__ was bypassed"
+
+
+def test_a_process_group_subclass_goes_through_torch_distributed(
+    torch_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group whose type is not exactly ProcessGroup may override the method torch's
+    function calls; only torch's function reaches the override."""
+
+    class Other:
+        pass
+
+    monkeypatch.setattr(_launch, "_ProcessGroup", Other)  # WORLD is now "a subclass"
+    _every_collective(lambda t: t, async_op=False)
+    assert len(torch_calls) == 5
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_the_direct_launch_passes_what_torch_distributed_would(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch, async_op: bool
+) -> None:
+    """Each process-group method gets the tensors in torch's order, the split sizes
+    (output's first) and options with `asyncOp` and `reduceOp` set."""
+    calls: dict[str, tuple[Any, ...]] = {}
+    for name in ("_ALL_TO_ALL", "_ALL_REDUCE", "_ALL_GATHER", "_REDUCE_SCATTER"):
+        fast = getattr(_launch, name)
+        if fast is None:
+            pytest.skip("this torch lacks a process-group method comm calls directly")
+
+        def recording(*args: Any, _name: str = name, _method: Any = fast[0]) -> Any:
+            calls[_name] = args
+            return _method(*args)
+
+        monkeypatch.setattr(_launch, name, (recording, *fast[1:]))
+    group = dist.group.WORLD
+    output, input = torch.empty(3, 2), torch.ones(3, 2)
+    for work in (
+        comm.all_to_all_single(output, input, [3], [3], async_op=async_op),
+        comm.all_reduce(input, op=comm.ReduceOp.MAX, async_op=async_op),
+        comm.all_gather_into_tensor(output, input, async_op=async_op),
+        comm.reduce_scatter_tensor(output, input, op=comm.ReduceOp.MIN, async_op=async_op),
+    ):
+        if async_op:
+            work.wait()
+    a2a, reduce, gather, scatter = (
+        calls[name] for name in ("_ALL_TO_ALL", "_ALL_REDUCE", "_ALL_GATHER", "_REDUCE_SCATTER")
+    )
+    out_splits, in_splits = [3], [3]
+    assert a2a[:5] == (group, output, input, out_splits, in_splits)
+    assert reduce[:2] == (group, [input]) and reduce[2].reduceOp == comm.ReduceOp.MAX
+    assert gather[:3] == (group, output, input)
+    assert scatter[:3] == (group, output, input) and scatter[3].reduceOp == comm.ReduceOp.MIN
+    for name, args in calls.items():
+        options = args[-1]
+        if getattr(_launch, name)[2]:  # this torch's options type has asyncOp
+            assert options.asyncOp is async_op, name
+
+
+def test_uneven_splits_reach_the_method_output_splits_first(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = _launch._ALL_TO_ALL
+    if fast is None:
+        pytest.skip("this torch lacks the process-group method")
+    seen: list[tuple[Any, Any]] = []
+
+    def recording(group: Any, output: Any, input: Any, out_splits: Any, in_splits: Any,
+                  options: Any) -> Any:
+        seen.append((out_splits, in_splits))
+        return fast[0](group, output, input, [4], [4], options)  # the real call: world of 1
+
+    monkeypatch.setattr(_launch, "_ALL_TO_ALL", (recording, *fast[1:]))
+    _launch.all_to_all_single(dist.group.WORLD, torch.empty(4), torch.ones(4), [1, 3], [2, 2],
+                              False)
+    _launch.all_to_all_single(dist.group.WORLD, torch.empty(4), torch.ones(4), None, None, False)
+    assert seen == [([1, 3], [2, 2]), ([], [])]

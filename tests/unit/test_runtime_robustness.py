@@ -20,6 +20,7 @@ import torch
 
 import dbo
 from dbo.baton import Baton
+from dbo.runner import UBatchRunner
 
 _overlap_module = sys.modules["dbo.overlap"]  # `dbo.overlap` is the function
 
@@ -397,3 +398,76 @@ def test_an_interrupt_inside_submit_leaves_the_runner_usable(
         assert 1 not in ran, "the revoked job must never run"
         out = runner.run(lambda x: x + dbo.current_ubatch_id(), parts, timeout_s=5)
         assert [o.item() for o in out] == [0.0, 1.0]
+
+
+# ------------------------------------------------ 5. cleaning up never hands the baton on
+@pytest.mark.timeout(30)
+def test_an_interrupted_run_never_starts_a_ubatch_the_baton_had_not_reached(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller is interrupted while ubatch 0 of 3 runs: revoking job 1 must not make
+    ubatch 2 the holder (it would run `fn` alongside ubatch 0)."""
+    monkeypatch.setattr(UBatchRunner, "_wait", _interrupted_wait)
+    started: list[int] = []
+    overlapping: list[int] = []
+    inside: set[int] = set()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me = dbo.current_ubatch_id()
+        started.append(me)
+        if inside:
+            overlapping.append(me)
+        inside.add(me)
+        try:
+            deadline = time.perf_counter() + 0.1  # Python without a yield
+            while time.perf_counter() < deadline:
+                if len(inside) > 1:
+                    overlapping.append(me)
+                    break
+        finally:
+            inside.discard(me)
+        return x
+
+    for _ in range(8):
+        started.clear()
+        runner = UBatchRunner(num_ubatches=3)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(fn, [((torch.zeros(1),), {})] * 3)
+        time.sleep(0.15)  # let ubatch 0 finish and every worker unwind
+        runner.close(timeout_s=1.0)
+        assert overlapping == [], "two ubatches ran fn at once"
+        assert started == [0], "a ubatch the baton never reached started fn"
+
+
+def _interrupted_wait(self: UBatchRunner, run: object, timeout_s: float | None) -> None:
+    time.sleep(0.02)  # ubatch 0 is running fn by now
+    raise KeyboardInterrupt  # stands for a Ctrl-C while the caller waits
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_just_before_start_runs_no_fn(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted_start(self: Baton) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Baton, "start", interrupted_start)
+    started: list[int] = []
+    for _ in range(20):
+        runner = UBatchRunner(num_ubatches=2)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(lambda x: started.append(dbo.current_ubatch_id()) or x,
+                       [((torch.zeros(1),), {})] * 2)
+        time.sleep(0.02)
+        runner.close(timeout_s=1.0)
+    assert started == [], "an interrupted call still ran fn"
+
+
+def test_a_finished_baton_reads_done_even_if_an_interrupted_wait_kept_its_lock() -> None:
+    """A Ctrl-C between `wait_done`'s acquire and its release leaves the done lock held:
+    the run must still read as done (else its runner is refused for good)."""
+    baton = Baton(1)
+    baton.start()
+    baton.wait_turn(0)
+    baton.finish(0)
+    assert baton._done.acquire(timeout=1.0)  # the interrupted waiter took it, never gave back
+    assert baton.wait_done(0)
+    assert baton.wait_done(0.01)

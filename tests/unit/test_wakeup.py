@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -145,21 +146,29 @@ def test_an_abort_wakes_every_parked_ubatch(kind: type) -> None:
     assert sorted(raised) == [1, 2]
 
 
-def test_a_runner_worker_with_a_left_over_wake_up_waits_for_its_turn() -> None:
+def test_a_runner_worker_woken_out_of_turn_parks_again() -> None:
     """The runner's workers park on the wake-ups their batons use, between runs too: a
-    left-over set must not start ubatch 1 before ubatch 0 yields to it."""
+    set no handoff made must not start ubatch 1 before ubatch 0 yields to it. Ubatch 0
+    sets ubatch 1's wake-up twice during its first turn: the first set makes worker 1
+    take its job and park in the baton, the second wakes it there."""
     with dbo.UBatchRunner(num_ubatches=2) as runner:
         order: list[int] = []
+        wake_of_1 = runner._workers[1].wake
 
         def fn(x: torch.Tensor) -> torch.Tensor:
-            for _ in range(20):
-                order.append(dbo.current_ubatch_id())
+            me = dbo.current_ubatch_id()
+            for turn in range(20):
+                order.append(me)
+                if me == 0 and turn == 0:
+                    for _ in range(2):
+                        wake_of_1.set()
+                        time.sleep(0.05)  # drops the GIL: worker 1 may run if it thinks it may
+                        order.append(me)
                 dbo.yield_()
             return x
 
         inputs = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
         for _ in range(3):
             order.clear()
-            runner._workers[1].wake.set()  # as if left by an earlier, aborted run
             runner.run(fn, inputs, timeout_s=10.0)
-            assert order == [0, 1] * 20
+            assert order == [0, 0, 0] + [1, 0] * 19 + [1]
