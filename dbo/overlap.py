@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -95,6 +96,14 @@ class _RunnerPool:
                 # A broken runner's workers end once their stuck ubatch returns.
                 closing.close(timeout_s=0)
 
+    def forget_after_fork(self) -> None:
+        """In the child after `os.fork()`: drop the pooled runners without closing them
+        (their threads stayed in the parent, and their wake-ups are shared with it), and
+        replace the lock, which another thread may have held at the fork."""
+        self._lock = threading.Lock()
+        self._idle = []
+        self._generation += 1
+
     def close_all(self) -> None:
         """Close the idle runners; runners leased now are closed when their run ends."""
         with self._lock:
@@ -106,6 +115,8 @@ class _RunnerPool:
 
 
 _runner_pool = _RunnerPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_runner_pool.forget_after_fork)
 
 
 def close_default_runners() -> None:

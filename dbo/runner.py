@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import _thread
 import math
+import os
 import sys
 import threading
 import time
@@ -23,6 +24,19 @@ from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
 _ABORT_GRACE_S = 0.5
 """After the watchdog fires, how long the caller waits for the other ubatches to unwind."""
+
+_fork_generation = 0
+"""Bumped in the child after `os.fork()`: the worker threads of the runners created
+before the fork exist only in the parent."""
+
+
+def _after_fork_in_child() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def check_num_ubatches(num_ubatches: Any) -> int:
@@ -115,8 +129,9 @@ class UBatchRunner:
             _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}", self.cpus)
             for i in range(self.num_ubatches)
         ]
+        self._fork_generation = _fork_generation
         # A runner dropped without close() must not leave its threads parked forever.
-        weakref.finalize(self, _stop_all, self._workers)
+        weakref.finalize(self, _stop_all_here, self._workers, self._fork_generation)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -144,6 +159,10 @@ class UBatchRunner:
         runner's own ubatch threads (that run could never end).
         """
         self._refuse_own_ubatch_thread("close")
+        if self._forked_away():
+            # The workers are the parent's (their wake-ups are shared with it): leave them.
+            self._closed = True
+            return
         acquired = self._run_lock.acquire(timeout=_bounded(timeout_s))
         try:
             if self._closed:
@@ -163,6 +182,10 @@ class UBatchRunner:
         if acquired and self._broken is None:
             for worker in self._workers:
                 worker.thread.join(_bounded(timeout_s))
+
+    def _forked_away(self) -> bool:
+        """True in a child process forked after this runner was created."""
+        return self._fork_generation != _fork_generation
 
     def _refuse_own_ubatch_thread(self, what: str) -> None:
         context = current_context()
@@ -226,6 +249,12 @@ class UBatchRunner:
                     f"got {type(item).__name__}"
                 )
         self._refuse_own_ubatch_thread("run")
+        if self._forked_away():  # checked before the run lock, which the fork may have copied held
+            raise RuntimeError(
+                "this UBatchRunner was created before os.fork(): its worker threads exist "
+                "only in the parent process. Create a new UBatchRunner in this process "
+                "(dbo.overlap does so by itself)"
+            )
         with self._run_lock:
             if self._closed:
                 raise RuntimeError("this UBatchRunner is closed; create a new one")
@@ -470,6 +499,13 @@ def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
 def _stop_all(workers: list[_Worker]) -> None:
     for worker in workers:
         worker.stop()
+
+
+def _stop_all_here(workers: list[_Worker], fork_generation: int) -> None:
+    """`_stop_all`, unless this is a child forked since the workers started (they are
+    the parent's: nothing to stop here, and their wake-ups are shared with it)."""
+    if fork_generation == _fork_generation:
+        _stop_all(workers)
 
 
 def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:
