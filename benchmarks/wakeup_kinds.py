@@ -7,7 +7,10 @@ Two `UBatchRunner`s, identical except for the kind of wake-up their workers (and
 their batons) park on, run the same calls in interleaved rounds:
   - `identity`: one overlapped call that does nothing (the per-call cost: wake the
     workers, pass the baton twice, signal the caller);
-  - `100 handoffs`: each of the 2 ubatches calls `dbo.yield_()` 50 times.
+  - `100 handoffs`: each of the 2 ubatches calls `dbo.yield_()` 50 times;
+  - `+ k matmuls`: the same with k 64x64 matmuls per turn (torch drops the GIL around
+    each op, where an eventfd setter still waiting for the GIL takes it to park: does
+    that delay the ubatch that woke? On both cores it did not measurably).
 Printed: microseconds per call for each kind, the median of the per-round ratios
 eventfd / lock (paired: the host's drift cancels), and the context switches per call
 (`getrusage`: voluntary + involuntary, whole process). See docs/architecture.md,
@@ -67,6 +70,21 @@ def _fifty_yields(x: Any) -> Any:
     return x
 
 
+_MATRIX = torch.randn(64, 64)
+
+
+def _yields_with_matmuls(num_matmuls: int) -> Callable[[Any], Any]:
+    def fn(x: Any) -> Any:
+        for _ in range(50):
+            y = _MATRIX
+            for _ in range(num_matmuls):
+                y = y @ _MATRIX
+            dbo.yield_()
+        return x
+
+    return fn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
@@ -78,7 +96,13 @@ def main() -> None:
     print(f"{'call':<14}{'lock us':>9}{'eventfd us':>12}{'eventfd/lock':>14}"
           f"{'switches: lock':>16}{'eventfd':>9}")
     try:
-        for name, fn, calls in (("identity", _identity, 300), ("100 handoffs", _fifty_yields, 40)):
+        cases = (
+            ("identity", _identity, 300),
+            ("100 handoffs", _fifty_yields, 40),
+            ("+ 1 matmul", _yields_with_matmuls(1), 20),
+            ("+ 5 matmuls", _yields_with_matmuls(5), 10),
+        )
+        for name, fn, calls in cases:
             for runner in runners.values():
                 _time(runner, fn, calls // 10)  # warm up
             samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in runners}

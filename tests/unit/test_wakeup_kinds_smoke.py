@@ -22,7 +22,7 @@ def test_wakeup_kinds_benchmark_prints_both_kinds_for_each_call() -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    for label in ("identity", "100 handoffs"):
+    for label in ("identity", "100 handoffs", "+ 1 matmul", "+ 5 matmuls"):
         (row,) = [line for line in completed.stdout.splitlines() if line.startswith(label)]
         lock_us, eventfd_us, ratio, lock_switches, eventfd_switches = (
             float(value) for value in row.split()[-5:]
