@@ -35,12 +35,13 @@ the larger all-to-alls cannot be hidden behind compute and the ceiling is below 
 
 What it showed on the project's 2-core VM: with both ubatches overlapped, each rank's
 core is ~100% busy (process CPU time ~= wall time), so every microsecond of overhead is
-step time. DBO trails the hand-written pipeline by 1-23% over nine runs in three
-sessions (3-23% in the third). Side by side (31 paired rounds at 256 KB): `comm`'s
-wrapper over raw `dist` calls + `dbo.yield_()` costs 2-4% of the step, dbo's runner and
-`dbo.overlap` call over the bare threads 1-6%, and the bare threads trail the pipeline
-by 0-3%: each thread handoff is ~2.5 context switches (~10-20 us of CPU each here).
-`--greenlets` runs the schedule without OS threads; it matched the pipeline within the
+step time. DBO trailed the hand-written pipeline by 1-23% over nine runs in the first
+three sessions; in the fourth, after the eventfd baton wake-ups (1.1 instead of ~3
+context switches per handoff) and `comm`'s direct process-group launch, it matched the
+bare threads (0.97-1.06) and trailed the pipeline by 2-11% over three runs. Side by
+side in one process (150 paired rounds at 256 KB), what remains is ~3% for one OS
+thread per ubatch plus the runner and ~2% for `comm`'s wrapper. `--greenlets` runs the
+schedule without OS threads; in the third session it matched the pipeline within the
 noise. Results vary by +-5-10% from run to run on this shared VM; compare columns
 within one run.
 """
