@@ -51,6 +51,9 @@ class Baton:
         """Every ubatch has finished (set before `_done` is released)."""
         self.aborted = False
         self.abort_reason = ""
+        self._forced = False
+        """An abort that unwinds every ubatch at once (watchdog, interrupt, close), not
+        one at a time in ring order."""
         self.holder: int | None = None
         """The ubatch holding the baton (None before start and after the last finish)."""
         self.holder_since = time.perf_counter()
@@ -70,6 +73,7 @@ class Baton:
                 self._make_holder(0)
                 woken = [0]
             else:
+                self._forced = True
                 woken = [i for i in range(self.num_ubatches) if self._live[i]]
         self._wake_up(woken)
 
@@ -86,16 +90,22 @@ class Baton:
     def abort(self, reason: str, wake_all: bool = False) -> None:
         """Mark the run aborted: every ubatch raises `UBatchAbortedError` at its next yield.
 
-        With `wake_all` (the watchdog), also wake every parked ubatch at once, since the
-        holder may never hand the baton on; they then unwind concurrently with it.
+        Without `wake_all` (a ubatch failed), the others unwind one at a time, each when
+        the baton reaches it. With `wake_all` (the watchdog, an interrupted caller,
+        `close()`), every live ubatch is woken at once, since the holder may never hand
+        the baton on; they then unwind concurrently with it. The holder is woken too:
+        it may be parked in its first wait for the baton (an interrupt can land between
+        making it the holder and waking it); a running holder just finds a spare hint.
         """
         with self._mutex:
             if not self.aborted:
                 self.aborted = True
                 self.abort_reason = reason
+            if wake_all:
+                self._forced = True
             woken = [
                 ubatch_id for ubatch_id in range(self.num_ubatches)
-                if wake_all and self._live[ubatch_id] and ubatch_id != self.holder
+                if wake_all and self._live[ubatch_id]
             ]
         self._wake_up(woken)
 
@@ -166,14 +176,17 @@ class Baton:
 
     # ------------------------------------------------------------------ internals
     def _park(self, ubatch_id: int) -> None:
-        """Wait until `ubatch_id` holds the baton or the run is aborted (then raise).
+        """Wait until `ubatch_id` holds the baton (then raise if the run was aborted), or
+        until a forced abort (then raise).
 
         A wake-up is only a hint, `holder` is the truth: a set left over from a run
         aborted earlier (coalesced, never consumed) or from the abort racing a handoff
-        wakes a thread whose turn it is not, and it parks again.
+        wakes a thread whose turn it is not, and it parks again. A plain abort does not
+        end the wait either: a ubatch that handed the baton on but had not parked yet
+        when another failed still unwinds in its turn, not alongside the holder.
         """
         wake = self._wake[ubatch_id]
-        while self.holder != ubatch_id and not self.aborted:
+        while self.holder != ubatch_id and not self._forced:
             wake.wait()
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")

@@ -174,6 +174,8 @@ class UBatchRunner:
                 run = self._current_run
                 if run is not None:
                     run.baton.abort("the runner was closed", wake_all=True)
+                else:  # the run may have ended, and checked `_closed`, just before
+                    self._stop_if_closed_and_idle()
                 return
             _stop_all(self._workers)
         finally:
@@ -182,6 +184,16 @@ class UBatchRunner:
         if acquired and self._broken is None:
             for worker in self._workers:
                 worker.thread.join(_bounded(timeout_s))
+
+    def _stop_if_closed_and_idle(self) -> None:
+        """Stop the workers if the runner is closed and no run holds the run lock. Both
+        `close()` (when it could not get the lock) and the end of every run call this,
+        so whichever of the two comes last stops them."""
+        if self._closed and self._run_lock.acquire(blocking=False):
+            try:
+                _stop_all(self._workers)
+            finally:
+                self._run_lock.release()
 
     def _forked_away(self) -> bool:
         """True in a child process forked after this runner was created."""
@@ -255,19 +267,24 @@ class UBatchRunner:
                 "only in the parent process. Create a new UBatchRunner in this process "
                 "(dbo.overlap does so by itself)"
             )
-        with self._run_lock:
-            if self._closed:
-                raise RuntimeError("this UBatchRunner is closed; create a new one")
-            if self._broken is not None:
-                aborted = self._aborted_run
-                if aborted is None or not aborted.baton.wait_done(0):
-                    raise RuntimeError(
-                        f"this UBatchRunner is unusable until its aborted run ends: "
-                        f"{self._broken}"
-                    )
-                self._broken = None  # the stuck ubatch has returned: usable again
-                self._aborted_run = None
-            return self._run_locked(fn, inputs, timeout_s, device)
+        try:
+            with self._run_lock:
+                if self._closed:
+                    raise RuntimeError("this UBatchRunner is closed; create a new one")
+                if self._broken is not None:
+                    aborted = self._aborted_run
+                    if aborted is None or not aborted.baton.wait_done(0):
+                        raise RuntimeError(
+                            f"this UBatchRunner is unusable until its aborted run ends: "
+                            f"{self._broken}"
+                        )
+                    self._broken = None  # the stuck ubatch has returned: usable again
+                    self._aborted_run = None
+                return self._run_locked(fn, inputs, timeout_s, device)
+        finally:
+            # A close() that gave up on the run lock as this run ended may have found
+            # no run to abort after this run had checked `_closed`: stop the workers.
+            self._stop_if_closed_and_idle()
 
     def _backend_and_streams(
         self, inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], device: torch.device | None
@@ -324,6 +341,9 @@ class UBatchRunner:
             # started is revoked and counted as finished here; the others finish
             # themselves. Wake everyone and give them a moment to unwind; until they do,
             # the runner is unusable.
+            # First, so that a second interrupt anywhere below still leaves the runner
+            # able to tell when this run has ended (run() checks `_aborted_run`).
+            self._aborted_run = run
             self._broken = "an aborted run's ubatch threads have not finished"
             reason = (
                 "the watchdog fired" if isinstance(error, OverlapTimeoutError)
@@ -336,9 +356,9 @@ class UBatchRunner:
             run.baton.abort(reason, wake_all=True)
             if run.baton.wait_done(_ABORT_GRACE_S):
                 self._broken = None
+                self._aborted_run = None
                 self._join_streams(run, caller_stream)
             else:
-                self._aborted_run = run
                 self._broken = (
                     f"ubatch {run.baton.holder} was still running {_ABORT_GRACE_S} s after its "
                     "overlap was aborted"

@@ -14,11 +14,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 
 import dbo
+from dbo import runner as runner_module
 from dbo.baton import Baton
 from dbo.runner import UBatchRunner
 
@@ -375,7 +377,7 @@ def test_an_interrupt_inside_submit_leaves_the_runner_usable(
     """An interrupt between handing a job to a worker and waking it: the job is revoked
     (it never runs), the run's count of finished ubatches stays right, and the next run
     works."""
-    from dbo import runner as runner_module
+
 
     original = runner_module._Worker.submit
     calls: list[int] = []
@@ -471,3 +473,93 @@ def test_a_finished_baton_reads_done_even_if_an_interrupted_wait_kept_its_lock()
     assert baton._done.acquire(timeout=1.0)  # the interrupted waiter took it, never gave back
     assert baton.wait_done(0)
     assert baton.wait_done(0.01)
+
+
+# ------------------------------------------- 6. unwinding order, forced aborts, races
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_ubatches", [3, 4])
+def test_after_a_failure_the_others_unwind_one_at_a_time_in_ring_order(
+    num_ubatches: int,
+) -> None:
+    """A ubatch that handed the baton on but had not parked yet when the next one failed
+    must still unwind in its turn (its `finally` blocks may launch collectives, whose
+    order must match across ranks), not alongside the holder."""
+    order: list[int] = []
+
+    def make_fn(failing: int) -> Any:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            me = dbo.current_ubatch_id()
+            try:
+                for turn in range(5):
+                    if me == failing and turn == 2:
+                        raise ValueError("boom")
+                    dbo.yield_()
+                return x
+            except dbo.UBatchAbortedError:
+                order.append(me)
+                raise
+
+        return fn
+
+    with UBatchRunner(num_ubatches=num_ubatches) as runner:
+        for failing in range(num_ubatches):
+            for _ in range(15):
+                order.clear()
+                with pytest.raises(ValueError, match="boom"):
+                    runner.run(make_fn(failing), [((torch.zeros(1),), {})] * num_ubatches,
+                               timeout_s=10.0)
+                expected = [(failing + k) % num_ubatches for k in range(1, num_ubatches)]
+                assert order == expected
+
+
+@pytest.mark.timeout(20)
+def test_a_forced_abort_wakes_a_holder_parked_in_its_first_wait() -> None:
+    """An interrupt between making ubatch 0 the holder and waking it leaves it parked as
+    the holder: the abort that cleans up must wake it too."""
+    baton = Baton(2)
+    raised: list[int] = []
+
+    def ubatch(ubatch_id: int) -> None:
+        try:
+            baton.wait_turn(ubatch_id)
+        except dbo.UBatchAbortedError:
+            raised.append(ubatch_id)
+
+    threads = [threading.Thread(target=ubatch, args=(i,), daemon=True) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    with baton._mutex:
+        baton._make_holder(0)  # ... and the interrupt lands before the wake-up
+    baton.abort("interrupted", wake_all=True)
+    for thread in threads:
+        thread.join(5.0)
+    assert sorted(raised) == [0, 1]
+
+
+@pytest.mark.timeout(30)
+def test_a_second_interrupt_during_the_cleanup_does_not_break_the_runner_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original_wait_done = Baton.wait_done
+
+    def interrupted_grace_wait(self: Baton, timeout_s: float | None = None) -> bool:
+        if timeout_s == runner_module._ABORT_GRACE_S:
+            raise KeyboardInterrupt  # a second Ctrl-C while the cleanup waits
+        return original_wait_done(self, timeout_s)
+
+    runner = UBatchRunner(num_ubatches=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(UBatchRunner, "_wait", _interrupted_wait)
+        patch.setattr(Baton, "wait_done", interrupted_grace_wait)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(lambda x: x, [((torch.zeros(1),), {})] * 2)
+    deadline = time.monotonic() + 5.0
+    while True:  # once the aborted run's ubatches are done, the runner works again
+        try:
+            out = runner.run(lambda x: x + 1, [((torch.zeros(1),), {})] * 2)
+            break
+        except RuntimeError:
+            assert time.monotonic() < deadline, "the runner stayed unusable"
+            time.sleep(0.05)
+    assert [float(o) for o in out] == [1.0, 1.0]
+    runner.close(timeout_s=1.0)
