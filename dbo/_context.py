@@ -9,6 +9,7 @@ ubatch) simply sees no context and behaves as outside an overlap.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,22 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 _count_lock = threading.Lock()
 _num_registered = 0
+
+
+def _after_fork_in_child() -> None:
+    """In the child after `os.fork()` (its only thread is the one that forked): a fork
+    from inside a ubatch runs the rest of that ubatch's function outside any overlap
+    (`dbo.yield_()` is then a no-op, rather than a wait for a baton the parent's
+    threads pass), and the count lock, which another thread may have held at the fork,
+    is replaced. The registration's exit still balances the count."""
+    global _count_lock, _num_registered
+    _count_lock = threading.Lock()
+    _num_registered = 1 if _state.context is not None else 0
+    _state.context = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def current_context() -> UBatchContext | None:

@@ -70,6 +70,7 @@ class _Worker:
 
     def __init__(self, name: str, cpus: frozenset[int] | None) -> None:
         self._cpus = cpus
+        self._fork_generation = _fork_generation
         self.wake = Wakeup()
         self._job: Callable[[], None] | None = None
         self._stopping = False
@@ -93,6 +94,8 @@ class _Worker:
             job, self._job = self._job, None
             if job is not None:
                 job()
+                if self._fork_generation != _fork_generation:
+                    _end_forked_child(getattr(job, "failed", False))
                 job = None  # a parked worker must not keep the last run's tensors alive
                 _affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
             if self._stopping:
@@ -425,7 +428,8 @@ class _UBatchJob:
     """What a worker thread does for ubatch `ubatch_id` of one run."""
 
     __slots__ = (
-        "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim"
+        "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim",
+        "failed",
     )
 
     def __init__(
@@ -444,6 +448,8 @@ class _UBatchJob:
         self.results, self.errors = results, errors
         self._claim = _thread.allocate_lock()
         """Taken once: by the worker when the job starts, or by `revoke`."""
+        self.failed = False
+        """Whether the ubatch raised (the exit status of a child forked inside it)."""
 
     def revoke(self) -> bool:
         """Stop the job from ever running; False if it has already started."""
@@ -471,6 +477,7 @@ class _UBatchJob:
                 finally:
                     run.exit(ubatch_id, previous_stream)
         except BaseException as error:  # noqa: B036 - every failure must reach the caller
+            self.failed = True
             self.errors[ubatch_id] = error
             if not isinstance(error, UBatchAbortedError):
                 # Normally this thread holds the baton; after a forced wake-up (watchdog)
@@ -514,6 +521,18 @@ def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
             f"{len(streams)} in {_MAX_STREAM_DRAWS} draws); use fewer ubatches"
         )
     return streams
+
+
+def _end_forked_child(failed: bool) -> None:
+    """End a process forked from inside a ubatch, once that ubatch's function is done.
+
+    Its only thread is this worker. Parking it would steal the wake-ups it shares with
+    the parent, and CPython cannot return from the function of a thread that forked:
+    the child aborts ("thread state already initialized") or hangs. So the process
+    ends here, as `multiprocessing`'s forked children do: exit status 1 if the
+    function raised, else 0.
+    """
+    os._exit(1 if failed else 0)
 
 
 def _stop_all(workers: list[_Worker]) -> None:

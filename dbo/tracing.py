@@ -186,6 +186,18 @@ _active: Trace | None = None
 _lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """Replace the locks another thread may have held at an `os.fork()`."""
+    global _lock
+    _lock = threading.Lock()
+    if _active is not None:
+        _active._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def active() -> Trace | None:
     """The trace being recorded in this process, if any."""
     return _active

@@ -71,3 +71,62 @@ def test_a_forked_child_gets_new_ubatch_threads_and_old_runners_refuse() -> None
     assert code == _OK, f"the child failed check {code}"
     # The parent's runner and pool still work.
     assert torch.equal(dbo.overlap(lambda t: t + 1)(x), x + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_fork_inside_a_ubatch_neither_hangs_the_child_nor_the_parent() -> None:
+    """The child of a fork made inside ubatch 0 runs the rest of the function outside any
+    overlap (its `dbo.yield_()` returns at once) and its thread ends when the function
+    returns, instead of parking on wake-ups it shares with the parent; the parent's run
+    ends normally."""
+    children: list[int] = []
+    in_child: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            pid = os.fork()
+            if pid == 0:
+                in_child.append(True)
+                if dbo.enabled() or dbo.current_ubatch_id() != 0:
+                    os._exit(_CRASHED)  # the child must see no overlap
+            else:
+                children.append(pid)
+        for _ in range(3):
+            dbo.yield_()  # in the child: no-op; in the parent: a handoff
+        return x + 1
+
+    with dbo.UBatchRunner(num_ubatches=2) as runner:
+        outputs = runner.run(fn, [((torch.zeros(1),), {}), ((torch.zeros(1),), {})],
+                             timeout_s=20.0)
+        assert not in_child, "the parent ran the child's branch"
+        assert [float(out) for out in outputs] == [1.0, 1.0]
+        (pid,) = children
+        code = _wait_for(pid, timeout_s=30.0)
+        assert code is not None, "the child forked inside a ubatch hung"
+        assert code == _OK, f"the child failed check {code}"
+        # The parent's wake-ups were not stolen: more runs go through.
+        for _ in range(3):
+            runner.run(lambda t: t, [((torch.zeros(1),), {})] * 2, timeout_s=10.0)
+
+
+@pytest.mark.timeout(60)
+def test_locks_held_by_another_thread_at_the_fork_do_not_block_the_child() -> None:
+    """A fork copies a lock in whatever state it was: the registry's count lock and a
+    trace's lock, held by some other thread at that instant, must not stay held in the
+    child (its first overlapped call would block on them for good)."""
+    from dbo import _context
+
+    x = torch.ones(4, 2)
+    with dbo.trace() as recording:
+        dbo.overlap(lambda t: t + 1)(x)
+        with _context._count_lock, recording._lock:  # "another thread" holds them now
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    ok = torch.equal(dbo.overlap(lambda t: t + 1, timeout_s=5.0)(x), x + 1)
+                    os._exit(_OK if ok else _OVERLAP_WRONG)
+                except BaseException:  # noqa: BLE001 - reported through the exit code
+                    os._exit(_CRASHED)
+        code = _wait_for(pid, timeout_s=30.0)
+    assert code is not None, "the child hung on a lock copied held"
+    assert code == _OK, f"the child failed check {code}"
