@@ -25,7 +25,7 @@ to torch.distributed's exception log (`c10d_logger`); it is raised all the same.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,13 +44,24 @@ def _method(*names: str) -> Any:
     return None
 
 
-def _fast(options_type: str, *names: str) -> tuple[Any, Any, bool] | None:
-    """(method, options type, whether the options have `asyncOp`) for the direct launch,
-    or None if this torch lacks the method or the options type."""
+class _Direct(NamedTuple):
+    """What the direct launch of one collective needs from this torch."""
+
+    method: Any
+    """The ProcessGroup method torch.distributed's function calls."""
+    options_type: Any
+    """Its options type (`AllreduceOptions`, ...)."""
+    has_async_op: bool
+    """Whether those options have `asyncOp` (newer torch)."""
+
+
+def _fast(options_type: str, *names: str) -> _Direct | None:
+    """The direct launch of a collective, or None if this torch lacks the method or the
+    options type."""
     method, options = _method(*names), getattr(_c10d, options_type, None)
     if method is None or options is None:
         return None
-    return method, options, hasattr(options(), "asyncOp")
+    return _Direct(method, options, hasattr(options(), "asyncOp"))
 
 
 _ALL_TO_ALL = _fast("AllToAllOptions", "all_to_all_single", "alltoall_base")
@@ -80,9 +91,9 @@ def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) 
     )
 
 
-def _options(fast: tuple[Any, Any, bool], async_op: bool) -> Any:
-    options = fast[1]()
-    if fast[2]:
+def _options(direct: _Direct, async_op: bool) -> Any:
+    options = direct.options_type()
+    if direct.has_async_op:
         options.asyncOp = async_op
     return options
 
@@ -105,7 +116,7 @@ def all_to_all_single(
     async_op: bool,
 ) -> Any:
     if _ALL_TO_ALL is not None and _plain(group, output, input):
-        work = _ALL_TO_ALL[0](
+        work = _ALL_TO_ALL.method(
             group, output, input,
             [] if output_split_sizes is None else output_split_sizes,
             [] if input_split_sizes is None else input_split_sizes,
@@ -121,7 +132,7 @@ def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: Any, async_op
     if _ALL_REDUCE is not None and _plain(group, tensor, tensor):
         options = _options(_ALL_REDUCE, async_op)
         options.reduceOp = op
-        return _done(_ALL_REDUCE[0](group, [tensor], options), async_op)
+        return _done(_ALL_REDUCE.method(group, [tensor], options), async_op)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -130,7 +141,7 @@ def all_gather_into_tensor(
 ) -> Any:
     if _ALL_GATHER is not None and _plain(group, output, input):
         options = _options(_ALL_GATHER, async_op)
-        return _done(_ALL_GATHER[0](group, output, input, options), async_op)
+        return _done(_ALL_GATHER.method(group, output, input, options), async_op)
     # `dist.all_gather_single` is the name since torch 2.13 (the old one warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
@@ -142,7 +153,7 @@ def reduce_scatter_tensor(
     if _REDUCE_SCATTER is not None and _plain(group, output, input):
         options = _options(_REDUCE_SCATTER, async_op)
         options.reduceOp = op
-        return _done(_REDUCE_SCATTER[0](group, output, input, options), async_op)
+        return _done(_REDUCE_SCATTER.method(group, output, input, options), async_op)
     # `dist.reduce_scatter_single` is the name since torch 2.13 (the old one warns).
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)

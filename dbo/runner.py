@@ -72,12 +72,12 @@ class _Worker:
         self._cpus = cpus
         self._fork_generation = _fork_generation
         self.wake = Wakeup()
-        self._job: Callable[[], None] | None = None
+        self._job: _UBatchJob | None = None
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: _UBatchJob) -> None:
         """Hand `job` to the worker, to run at its next wake-up (its baton turn). A job
         left here by an interrupted run was revoked (it does nothing if it ever runs),
         so it may be replaced."""
@@ -95,7 +95,7 @@ class _Worker:
             if job is not None:
                 job()
                 if self._fork_generation != _fork_generation:
-                    _end_forked_child(getattr(job, "failed", False))
+                    _end_forked_child(job.failed)
                 job = None  # a parked worker must not keep the last run's tensors alive
                 _affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
             if self._stopping:

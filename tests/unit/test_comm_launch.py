@@ -217,11 +217,11 @@ def test_the_direct_launch_passes_what_torch_distributed_would(
         if fast is None:
             pytest.skip("this torch lacks a process-group method comm calls directly")
 
-        def recording(*args: Any, _name: str = name, _method: Any = fast[0]) -> Any:
+        def recording(*args: Any, _name: str = name, _method: Any = fast.method) -> Any:
             calls[_name] = args
             return _method(*args)
 
-        monkeypatch.setattr(_launch, name, (recording, *fast[1:]))
+        monkeypatch.setattr(_launch, name, fast._replace(method=recording))
     group = dist.group.WORLD
     output, input = torch.empty(3, 2), torch.ones(3, 2)
     for work in (
@@ -242,7 +242,7 @@ def test_the_direct_launch_passes_what_torch_distributed_would(
     assert scatter[:3] == (group, output, input) and scatter[3].reduceOp == comm.ReduceOp.MIN
     for name, args in calls.items():
         options = args[-1]
-        if getattr(_launch, name)[2]:  # this torch's options type has asyncOp
+        if getattr(_launch, name).has_async_op:
             assert options.asyncOp is async_op, name
 
 
@@ -257,9 +257,9 @@ def test_uneven_splits_reach_the_method_output_splits_first(
     def recording(group: Any, output: Any, input: Any, out_splits: Any, in_splits: Any,
                   options: Any) -> Any:
         seen.append((out_splits, in_splits))
-        return fast[0](group, output, input, [4], [4], options)  # the real call: world of 1
+        return fast.method(group, output, input, [4], [4], options)  # the real call: world of 1
 
-    monkeypatch.setattr(_launch, "_ALL_TO_ALL", (recording, *fast[1:]))
+    monkeypatch.setattr(_launch, "_ALL_TO_ALL", fast._replace(method=recording))
     _launch.all_to_all_single(dist.group.WORLD, torch.empty(4), torch.ones(4), [1, 3], [2, 2],
                               False)
     _launch.all_to_all_single(dist.group.WORLD, torch.empty(4), torch.ones(4), None, None, False)
