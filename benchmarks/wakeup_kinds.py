@@ -64,16 +64,12 @@ def _identity(x: Any) -> Any:
     return x
 
 
-def _fifty_yields(x: Any) -> Any:
-    for _ in range(50):
-        dbo.yield_()
-    return x
-
-
 _MATRIX = torch.randn(64, 64)
 
 
 def _yields_with_matmuls(num_matmuls: int) -> Callable[[Any], Any]:
+    """50 `dbo.yield_()` per ubatch, each after `num_matmuls` 64x64 matmuls."""
+
     def fn(x: Any) -> Any:
         for _ in range(50):
             y = _MATRIX
@@ -98,7 +94,7 @@ def main() -> None:
     try:
         cases = (
             ("identity", _identity, 300),
-            ("100 handoffs", _fifty_yields, 40),
+            ("100 handoffs", _yields_with_matmuls(0), 40),
             ("+ 1 matmul", _yields_with_matmuls(1), 20),
             ("+ 5 matmuls", _yields_with_matmuls(5), 10),
         )
