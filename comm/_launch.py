@@ -68,43 +68,61 @@ _ALL_TO_ALL = _fast("AllToAllOptions", "all_to_all_single", "alltoall_base")
 _ALL_REDUCE = _fast("AllreduceOptions", "allreduce")
 _ALL_GATHER = _fast("AllgatherOptions", "all_gather_single", "_allgather_base")
 _REDUCE_SCATTER = _fast("ReduceScatterOptions", "reduce_scatter_single", "_reduce_scatter_base")
+_RedOpType = dist.ReduceOp.RedOpType
 _has_torch_function = torch._C._has_torch_function
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
-def _coalescing(group: dist.ProcessGroup) -> bool:
-    """Whether `group` is inside a `dist._coalescing_manager` (True when this torch
-    does not say: then torch's path decides). Read at each call: torch's test backends
-    replace the module's `_world`."""
-    state = getattr(getattr(_c10d, "_world", None), "pg_coalesce_state", None)
-    return state is None or group in state
-
-
 def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) -> bool:
+    # Whether `group` is inside a `dist._coalescing_manager` is read at each call (torch's
+    # test backends replace the module's `_world`); a torch that does not say takes
+    # torch's path. One function, no helpers: it runs on every collective.
+    coalescing = getattr(getattr(_c10d, "_world", None), "pg_coalesce_state", None)
     return (
         type(group) is _ProcessGroup
         and not _has_torch_function((first, second))
         and not first.is_complex()
         and not second.is_complex()
-        and not _coalescing(group)
+        and coalescing is not None
+        and group not in coalescing
         and not _is_compiling()
     )
 
 
-def _options(direct: _Direct, async_op: bool) -> Any:
+def _new_options(direct: _Direct, async_op: bool, reduce_op: Any = None) -> Any:
     options = direct.options_type()
     if direct.has_async_op:
         options.asyncOp = async_op
+    if reduce_op is not None:
+        options.reduceOp = reduce_op
     return options
 
 
-def _done(work: Any, async_op: bool) -> Any:
-    """What torch.distributed's function returns: the Work, or None after waiting."""
-    if async_op:
-        return work
+_options_cache: dict[tuple[type, bool, int], tuple[Any, Any]] = {}
+"""(options type, async_op, id of the reduce op) -> (reduce op, options). Building options
+and setting their fields costs ~0.5 us a call, more than the lookup; the op is keyed by
+identity, as hashing one costs more still. The entry holds its op, so that id cannot be
+reused while it is cached. Sharing is safe: the process-group methods take the options
+by const reference and only read them (with the GIL released, from any thread)."""
+
+
+def _options(direct: _Direct, async_op: bool, reduce_op: Any = None) -> Any:
+    """The options for a launch of `direct`. `reduce_op`: a `ReduceOp.RedOpType` (an
+    enum value: cached) or a `ReduceOp` (it may carry a scalar: built each time)."""
+    key = (direct.options_type, async_op, id(reduce_op))
+    cached = _options_cache.get(key)
+    if cached is not None and cached[0] is reduce_op:
+        return cached[1]
+    options = _new_options(direct, async_op, reduce_op)
+    if reduce_op is None or type(reduce_op) is _RedOpType:
+        _options_cache[key] = (reduce_op, options)
+    return options
+
+
+def _waited(work: Any) -> None:
+    """A blocking call's end, as torch.distributed's function does it: wait, return None."""
     if work is not None:  # a backend that synchronized in C++ returns None
         work.wait()
-    return None
 
 
 def all_to_all_single(
@@ -122,7 +140,7 @@ def all_to_all_single(
             [] if input_split_sizes is None else input_split_sizes,
             _options(_ALL_TO_ALL, async_op),
         )
-        return _done(work, async_op)
+        return work if async_op else _waited(work)
     return dist.all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
     )
@@ -130,9 +148,9 @@ def all_to_all_single(
 
 def all_reduce(group: dist.ProcessGroup, tensor: torch.Tensor, op: Any, async_op: bool) -> Any:
     if _ALL_REDUCE is not None and _plain(group, tensor, tensor):
-        options = _options(_ALL_REDUCE, async_op)
-        options.reduceOp = op
-        return _done(_ALL_REDUCE.method(group, [tensor], options), async_op)
+        options = _options(_ALL_REDUCE, async_op, op)
+        work = _ALL_REDUCE.method(group, [tensor], options)
+        return work if async_op else _waited(work)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
@@ -141,7 +159,8 @@ def all_gather_into_tensor(
 ) -> Any:
     if _ALL_GATHER is not None and _plain(group, output, input):
         options = _options(_ALL_GATHER, async_op)
-        return _done(_ALL_GATHER.method(group, output, input, options), async_op)
+        work = _ALL_GATHER.method(group, output, input, options)
+        return work if async_op else _waited(work)
     # `dist.all_gather_single` is the name since torch 2.13 (the old one warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, input, group=group, async_op=async_op)
@@ -151,9 +170,9 @@ def reduce_scatter_tensor(
     group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, op: Any, async_op: bool
 ) -> Any:
     if _REDUCE_SCATTER is not None and _plain(group, output, input):
-        options = _options(_REDUCE_SCATTER, async_op)
-        options.reduceOp = op
-        return _done(_REDUCE_SCATTER.method(group, output, input, options), async_op)
+        options = _options(_REDUCE_SCATTER, async_op, op)
+        work = _REDUCE_SCATTER.method(group, output, input, options)
+        return work if async_op else _waited(work)
     # `dist.reduce_scatter_single` is the name since torch 2.13 (the old one warns).
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return scatter(output, input, op=op, group=group, async_op=async_op)

@@ -66,9 +66,10 @@ from dbo import tracing
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
 
-_Launch = Callable[[dist.ProcessGroup, bool], Any]
-"""`launch(group, async_op) -> Work | None`: the collective itself (`comm._launch`: the
-process group's method for a plain call, else torch.distributed's function)."""
+_Launch = Callable[..., Any]
+"""`launch(group, *args, async_op) -> Work | None`: the collective itself, one of
+`comm._launch`'s functions (the process group's method for a plain call, else
+torch.distributed's function)."""
 
 
 class CollectiveWork:
@@ -166,16 +167,18 @@ def _protect(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None
 def _run(
     name: str,
     launch: _Launch,
+    args: tuple[Any, ...],
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     async_op: bool,
 ) -> CollectiveWork | None:
-    """Launch a checked collective, DBO-aware inside an overlap (module docstring)."""
+    """Launch a checked collective, `launch(group, *args, async_op)`, DBO-aware inside an
+    overlap (module docstring). No closure per call: this is every collective's path."""
     stream = dbo.current_stream()  # None outside an overlap
     if stream is None:
         if async_op:
-            return CollectiveWork(launch(group, True), tensors, yields=False, name=name)
-        _blocking(launch, name, tracing.CALLER, group, False)  # the plain blocking op
+            return CollectiveWork(launch(group, *args, True), tensors, yields=False, name=name)
+        _blocking(launch, name, tracing.CALLER, group, *args, False)  # the plain blocking op
         return None
     ubatch_id = dbo.current_ubatch_id()
     ubatch_group = _registry.lookup(group, ubatch_id)
@@ -186,7 +189,7 @@ def _run(
     if switched:
         dbo.switch_to_comm()
     try:
-        work = launch(ubatch_group, True)
+        work = launch(ubatch_group, *args, True)
         if on_cuda:
             _protect(tensors, dbo.current_stream())  # comm's, after the switch
         if async_op:
@@ -305,13 +308,10 @@ def all_to_all_single(
         input_splits = check_split_sizes(
             "input_split_sizes", input_split_sizes, "input", input, world_size
         )
-
-    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return _launch.all_to_all_single(
-            process_group, output, input, output_splits, input_splits, launch_async
-        )
-
-    return _run("all_to_all_single", launch, (output, input), base, async_op)
+    return _run(
+        "all_to_all_single", _launch.all_to_all_single,
+        (output, input, output_splits, input_splits), (output, input), base, async_op,
+    )
 
 
 def all_reduce(
@@ -334,11 +334,7 @@ def all_reduce(
     require_reduce_op(op)
     require_contiguous("tensor", tensor)  # NCCL would only refuse it at launch
     require_backend_device(base, "tensor", tensor)
-
-    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return _launch.all_reduce(process_group, tensor, op, launch_async)
-
-    return _run("all_reduce", launch, (tensor,), base, async_op)
+    return _run("all_reduce", _launch.all_reduce, (tensor, op), (tensor,), base, async_op)
 
 
 def all_gather_into_tensor(
@@ -361,11 +357,10 @@ def all_gather_into_tensor(
     output, input = _check_pair(output, input, base)
     world_size = base.size()
     _require_world_chunks("output", output, "input", input, world_size)
-
-    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return _launch.all_gather_into_tensor(process_group, output, input, launch_async)
-
-    return _run("all_gather_into_tensor", launch, (output, input), base, async_op)
+    return _run(
+        "all_gather_into_tensor", _launch.all_gather_into_tensor,
+        (output, input), (output, input), base, async_op,
+    )
 
 
 def reduce_scatter_tensor(
@@ -390,8 +385,7 @@ def reduce_scatter_tensor(
     require_reduce_op(op)
     world_size = base.size()
     _require_world_chunks("input", input, "output", output, world_size)
-
-    def launch(process_group: dist.ProcessGroup, launch_async: bool) -> Any:
-        return _launch.reduce_scatter_tensor(process_group, output, input, op, launch_async)
-
-    return _run("reduce_scatter_tensor", launch, (output, input), base, async_op)
+    return _run(
+        "reduce_scatter_tensor", _launch.reduce_scatter_tensor,
+        (output, input, op), (output, input), base, async_op,
+    )

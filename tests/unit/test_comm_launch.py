@@ -130,13 +130,14 @@ def test_complex_tensors_go_through_torch_distributed(torch_calls: list[str]) ->
 
 def test_a_coalescing_group_goes_through_torch_distributed(torch_calls: list[str]) -> None:
     group = dist.group.WORLD
+    x = torch.ones(3)
     state = _c10d._world.pg_coalesce_state
     state[group] = []  # what `dist._coalescing_manager` sets while it records
     try:
-        assert _launch._coalescing(group)
+        assert not _launch._plain(group, x, x)
     finally:
         del state[group]
-    assert not _launch._coalescing(group)
+    assert _launch._plain(group, x, x)
     with dist._coalescing_manager(group=group):
         x = torch.ones(3)
         comm.all_reduce(x)
@@ -264,3 +265,24 @@ def test_uneven_splits_reach_the_method_output_splits_first(
                               False)
     _launch.all_to_all_single(dist.group.WORLD, torch.empty(4), torch.ones(4), None, None, False)
     assert seen == [([1, 3], [2, 2]), ([], [])]
+
+
+def test_launch_options_are_built_once_per_kind_and_carry_the_call_s_fields() -> None:
+    # Options objects are cached (building one is ~0.5 us a call); each cached object
+    # must still say what its call asked for.
+    direct = _launch._ALL_REDUCE
+    if direct is None:
+        pytest.skip("this torch has no direct all_reduce launch")
+    max_async = _launch._options(direct, True, dist.ReduceOp.MAX)
+    assert _launch._options(direct, True, dist.ReduceOp.MAX) is max_async
+    assert max_async.reduceOp == dist.ReduceOp.MAX
+    max_blocking = _launch._options(direct, False, dist.ReduceOp.MAX)
+    sum_async = _launch._options(direct, True, dist.ReduceOp.SUM)
+    assert max_blocking is not max_async and sum_async is not max_async
+    assert sum_async.reduceOp == dist.ReduceOp.SUM
+    if direct.has_async_op:
+        assert max_async.asyncOp and not max_blocking.asyncOp
+    # A ReduceOp object may carry a scalar (premultiplied sum): never shared.
+    scaled = dist._make_nccl_premul_sum(2.0)
+    assert _launch._options(direct, True, scaled) is not _launch._options(direct, True, scaled)
+
