@@ -379,11 +379,22 @@ class UBatchRunner:
                 _stop_all(self._workers)
         self._join_streams(run, caller_stream)
         failure = run.first_failure or _first_failure(errors)
-        if failure is not None:
-            failed_id, failed_error = failure
-            attach_ubatch_id(failed_error, failed_id, self.num_ubatches)
+        if failure is None:
+            return results
+        # Nothing here may keep the error once it is raised: this frame is on its
+        # traceback, so a reference from a local (or from the run, which a local holds)
+        # would be a cycle, and the failed call's inputs and activations (the ubatch's
+        # frames are on the traceback too) would live until the garbage collector runs.
+        # A caller that retries after an out-of-memory error needs them freed at once.
+        run.first_failure = None
+        errors.clear()
+        failed_id, failed_error = failure
+        del failure
+        attach_ubatch_id(failed_error, failed_id, self.num_ubatches)
+        try:
             raise failed_error.with_traceback(failed_error.__traceback__)
-        return results
+        finally:
+            del failed_error
 
     @staticmethod
     def _join_streams(run: OverlapRun, caller_stream: Any) -> None:
@@ -486,11 +497,14 @@ class _UBatchJob:
                     run.first_failure = (ubatch_id, error)
                 run.baton.abort(f"ubatch {ubatch_id} raised {type(error).__name__}: {error}")
         finally:
-            # Drop references before waking the caller: the inputs and fn belong to it.
+            # Drop references before waking the caller: the inputs and fn belong to it,
+            # and this frame is on the traceback of an error raised here, so its locals
+            # (the run, which holds the error) would make a cycle.
             self.args = self.kwargs = self.fn = None  # type: ignore[assignment]
             self.results = self.errors = None  # type: ignore[assignment]
-            run.baton.finish(ubatch_id)
-            self.run = None  # type: ignore[assignment]
+            baton = run.baton
+            self.run = run = context = None  # type: ignore[assignment]
+            baton.finish(ubatch_id)
 
 
 _MAX_STREAM_DRAWS = 128

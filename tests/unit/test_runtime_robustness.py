@@ -563,3 +563,33 @@ def test_a_second_interrupt_during_the_cleanup_does_not_break_the_runner_for_goo
             time.sleep(0.05)
     assert [float(o) for o in out] == [1.0, 1.0]
     runner.close(timeout_s=1.0)
+
+
+@pytest.mark.parametrize("failing_ubatch", [0, 1])
+def test_a_failed_call_frees_its_inputs_when_the_caller_drops_the_error(
+    failing_ubatch: int,
+) -> None:
+    # A serving loop that catches an out-of-memory error and retries smaller needs the
+    # failed call's memory back at once, without waiting for the garbage collector:
+    # nothing may hold the error in a reference cycle (the frames on its traceback).
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 3
+        dbo.yield_()
+        if dbo.current_ubatch_id() == failing_ubatch:
+            raise ValueError("boom")
+        return y
+
+    overlapped = dbo.overlap(fn)
+    gc.disable()
+    try:
+        x = torch.randn(64, 32)
+        alive = weakref.ref(x)
+        with pytest.raises(ValueError, match="boom"):
+            overlapped(x)
+        del x
+        deadline = time.monotonic() + 5.0  # the workers may still be leaving their frames
+        while alive() is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert alive() is None
+    finally:
+        gc.enable()
