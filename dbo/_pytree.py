@@ -75,8 +75,14 @@ def _is_structseq(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "n_fields")
 
 
-_init_fields: dict[type, frozenset[str] | None] = {}
-_exposed_fields: dict[type, frozenset[str] | None] = {}
+# Per dataclass, computed once. Weak keys: a class defined per call (in a function)
+# must not be kept alive here, with everything it closes over.
+_init_fields: weakref.WeakKeyDictionary[type, frozenset[str] | None] = (
+    weakref.WeakKeyDictionary()
+)
+_exposed_fields: weakref.WeakKeyDictionary[type, frozenset[str] | None] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _constructor_fields(cls: type) -> frozenset[str] | None:

@@ -103,6 +103,13 @@ class Trace:
                 self.dropped += 1
 
     # ------------------------------------------------------------------ reading
+    def _snapshot(self) -> list[Span]:
+        """The spans so far, copied under the lock: the readers below may run while
+        overlaps still record (a reader walking the live list twice could meet a span
+        the first walk had not seen)."""
+        with self._lock:
+            return list(self.spans)
+
     def totals(self) -> dict[int, UBatchTotals]:
         """Per ubatch id (and `CALLER` if it has waits): turns, baton and blocked time,
         summed over every overlap in the trace."""
@@ -110,7 +117,7 @@ class Trace:
         baton: dict[int, float] = {}
         blocked: dict[int, float] = {}
         waits: dict[int, int] = {}
-        for span in self.spans:
+        for span in self._snapshot():
             key = span.ubatch_id
             if span.name == "baton":
                 turns[key] = turns.get(key, 0) + 1
@@ -127,8 +134,9 @@ class Trace:
 
     def summary(self) -> str:
         """A small table: per ubatch, turns, baton time, blocked time, and the calls."""
-        calls = [span for span in self.spans if span.name == "dbo.overlap"]
-        inline = sum(1 for span in self.spans if span.name == "dbo.overlap inline")
+        spans = self._snapshot()
+        calls = [span for span in spans if span.name == "dbo.overlap"]
+        inline = sum(1 for span in spans if span.name == "dbo.overlap inline")
         lines = [
             f"{len(calls)} overlapped call(s), {sum(s.duration_s for s in calls) * 1e3:.2f} ms "
             f"in them (host clock); {inline} call(s) ran inline",
@@ -154,8 +162,9 @@ class Trace:
         ]
         # One track per (thread, role): the same worker thread serves one ubatch id; a
         # caller thread is "caller". Tracks are numbered by role, then first appearance.
+        spans = self._snapshot()
         tracks: dict[tuple[int, int], int] = {}
-        for span in sorted(self.spans, key=lambda span: (span.ubatch_id, span.start_s)):
+        for span in sorted(spans, key=lambda span: (span.ubatch_id, span.start_s)):
             tracks.setdefault((span.ubatch_id, span.thread_id), len(tracks) + 1)
         seen: dict[int, int] = {}
         for (ubatch_id, _), tid in tracks.items():
@@ -166,7 +175,7 @@ class Trace:
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}}
             )
-        for span in self.spans:
+        for span in spans:
             events.append({
                 "ph": "X", "name": span.name, "cat": "dbo", "pid": pid,
                 "tid": tracks[(span.ubatch_id, span.thread_id)],

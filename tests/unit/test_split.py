@@ -148,6 +148,32 @@ def test_the_leaf_type_cache_does_not_keep_local_classes_or_their_closures_alive
     assert big_ref() is None
 
 
+def test_the_dataclass_caches_do_not_keep_local_classes_or_their_closures_alive() -> None:
+    import dataclasses
+    import gc
+    import weakref
+
+    def make() -> tuple[object, weakref.ref[torch.Tensor]]:
+        big = torch.zeros(1000)
+
+        @dataclasses.dataclass
+        class Batch:  # split as a container: its fields are read and cached per class
+            x: torch.Tensor
+            n: int = dataclasses.field(init=False, default=0)
+
+            def __post_init__(self) -> None:
+                self.n = int(self.x.shape[0]) + 0 * int(big.numel())
+
+        return Batch(torch.ones(4, 2)), weakref.ref(big)
+
+    batch, big_ref = make()
+    out = dbo.overlap(lambda b: b.x * b.n, timeout_s=30)(batch)
+    assert torch.equal(out, torch.full((4, 2), 2.0))  # n derived per ubatch: 2 rows each
+    del batch
+    gc.collect()
+    assert big_ref() is None
+
+
 def test_tensor_only_calls_split_and_merge_like_the_general_path() -> None:
     """Arguments that are all tensors, and one tensor per ubatch out, skip the tree walk;
     the results and errors must be those of the general path (here: inside a list)."""

@@ -212,3 +212,29 @@ def test_a_span_that_ended_before_the_trace_started_has_no_negative_length() -> 
     timeline.add("baton", 0, timeline.start_s - 2.0, timeline.start_s - 1.0)
     (span,) = timeline.spans
     assert span.start_s == span.end_s == timeline.start_s
+
+
+def test_reading_a_trace_while_overlaps_record_sees_one_consistent_set_of_spans() -> None:
+    # A span recorded between two walks of the live list (a new caller thread's first
+    # call, say) had no track yet: to_chrome_trace raised KeyError. Simulated
+    # deterministically: a second walk over the spans finds one more.
+    step = dbo.overlap(lambda x: x + 1)
+    with dbo.trace() as recording:
+        step(torch.ones(2))
+
+    class GrowsBeforeTheSecondWalk(list):  # type: ignore[type-arg]
+        walks = 0
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            self.walks += 1
+            if self.walks == 2:
+                span = self[0]
+                self.append(span._replace(thread_id=span.thread_id + 1))
+            return super().__iter__()
+
+    recording.spans = GrowsBeforeTheSecondWalk(recording.spans)
+    events = recording.to_chrome_trace()["traceEvents"]
+    spans = [event for event in events if event["ph"] == "X"]
+    assert len(spans) == len(recording.spans)
+    named = {event["tid"] for event in events if event["ph"] == "M" and event["tid"] != 0}
+    assert {event["tid"] for event in spans} <= named
