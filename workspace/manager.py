@@ -407,6 +407,15 @@ class WorkspaceManager:
                         break
         if entry is None:
             entry = self._prepare(slot, shapes_and_dtypes)
+        if torch.is_grad_enabled():
+            # Detached, so that each view has an autograd life of its own: as plain views
+            # of one typed view, writing a tensor that requires grad into one of them
+            # would make its siblings require grad too (and carry its graph). No graph
+            # is recorded with grad disabled (serving): there the views stay plain.
+            return [
+                view(shape, stride, offset).detach()
+                for view, shape, stride, offset in entry.views
+            ]
         return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
 
     def _no_slot_error(self, ubatch_id: int) -> RuntimeError:

@@ -1095,3 +1095,20 @@ def test_deferred_resize_logs_are_taken_once_by_one_thread(
     assert errors == [] and not any(thread.is_alive() for thread in threads)
     resizes = [r for r in caplog.records if "resized" in r.getMessage()]
     assert len(resizes) == manager.stats().num_resizes
+
+
+def test_writing_a_tensor_that_requires_grad_into_a_view_leaves_its_siblings_plain() -> None:
+    # Like torch.empty: two views of one call are independent tensors for autograd.
+    manager = WorkspaceManager("cpu", num_ubatches=1)
+    x = torch.randn(4, requires_grad=True)
+    a, b = manager.get_simultaneous(((4,), torch.float32), ((4,), torch.float32))
+    a.copy_(x * 2)
+    assert a.requires_grad  # the written view carries the graph, as torch.empty would
+    assert not b.requires_grad and b.grad_fn is None
+    torch.add(torch.ones(4), torch.ones(4), out=b)  # an out= into the sibling works
+    assert torch.equal(b, torch.full((4,), 2.0))
+    a.sum().backward()
+    assert torch.equal(x.grad, torch.full((4,), 2.0))
+    with torch.no_grad():  # serving: plain views, still distinct memory
+        c, d = manager.get_simultaneous(((4,), torch.float32), ((4,), torch.float32))
+    assert c.data_ptr() != d.data_ptr() and not c.requires_grad
