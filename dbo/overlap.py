@@ -260,9 +260,10 @@ def overlap(
                 name = "dbo.overlap inline"
                 return inline(args, kwargs)
             # The default split's size check already ran above (batch_size_of).
-            parts = split_parts(args, kwargs, num_ubatches) if split is None else split(
-                args, kwargs, num_ubatches
-            )
+            if split is None:
+                parts = split_parts(args, kwargs, num_ubatches)
+            else:
+                parts = _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
             run_device = resolved_device or next(
                 (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
             )
@@ -279,6 +280,40 @@ def overlap(
         functools.update_wrapper(overlapped, fn)
     overlapped.__wrapped__ = fn  # type: ignore[attr-defined]
     return overlapped
+
+
+def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
+    """What a custom `split=` returned, checked here so that the error names `split=`."""
+    try:
+        parts = list(parts)
+    except TypeError:
+        raise TypeError(
+            f"split= must return a list of {num_ubatches} (args_tuple, kwargs_dict) pairs, "
+            f"got {type(parts).__name__}"
+        ) from None
+    if len(parts) != num_ubatches:
+        raise ValueError(
+            f"split= returned {len(parts)} parts for num_ubatches={num_ubatches}; it must "
+            "return one (args_tuple, kwargs_dict) pair per ubatch"
+        )
+    for index, part in enumerate(parts):
+        if not (
+            isinstance(part, tuple)
+            and len(part) == 2
+            and isinstance(part[0], tuple)
+            and isinstance(part[1], dict)
+        ):
+            raise TypeError(
+                f"split= returned {_describe_part(part)} as part {index}; each part must be "
+                "an (args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
+            )
+    return parts
+
+
+def _describe_part(part: Any) -> str:
+    if isinstance(part, tuple) and len(part) == 2:
+        return f"a pair of ({type(part[0]).__name__}, {type(part[1]).__name__})"
+    return f"a {type(part).__name__}"
 
 
 def _smallest_batch_across_ranks(local_size: int, group: Any) -> int:

@@ -598,3 +598,26 @@ def test_an_exit_callback_registered_by_a_hook_at_the_end_still_runs() -> None:
 
     _overlap(fn)(torch.zeros(2))
     assert sorted(ran) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("returned", "error", "message"),
+    [
+        (
+            lambda x: [([x[:2]], {}), ([x[2:]], {})],
+            TypeError, r"split= returned a pair of \(list, dict\) as part 0",
+        ),
+        (
+            lambda x: [((x[:1],), {}), ((x[1:2],), {}), ((x[2:],), {})],
+            ValueError, r"split= returned 3 parts for num_ubatches=2",
+        ),
+        (lambda x: None, TypeError, r"split= must return a list of 2"),
+        (lambda x: [(x[:2],), (x[2:],)], TypeError, r"split= returned a tuple as part 0"),
+    ],
+)
+def test_a_malformed_custom_split_result_is_named_in_the_error(
+    returned: Any, error: type[Exception], message: str
+) -> None:
+    step = dbo.overlap(lambda x: x, split=lambda args, kwargs, n: returned(args[0]))
+    with pytest.raises(error, match=message):
+        step(torch.arange(4.0))
