@@ -1,4 +1,4 @@
-"""A small pytree: tuples, lists (and list subclasses), dicts (and dict subclasses,
+"""A small pytree: tuples and lists (and their subclasses), dicts (and dict subclasses,
 `UserDict`s), namedtuples, struct sequences and dataclasses, with readable paths.
 
 The runtime needs four things from a nested argument structure: its leaves with a path
@@ -18,6 +18,8 @@ import inspect
 import weakref
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 
 class TreeSpec:
@@ -232,6 +234,9 @@ def _described_container(value: Any) -> tuple[str, type, tuple[Any, ...], list[A
         return type(value).__name__, type(value), tuple(range(len(value))), list(value)
     if isinstance(value, list):  # a subclass: rebuilt from a copy (its constructor may differ)
         return "list subclass", type(value), tuple(range(len(value))), list(value)
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        # A subclass (a shape is a leaf): rebuilt without its constructor, which may differ.
+        return "tuple subclass", type(value), tuple(range(len(value))), list(value)
     if isinstance(value, dict):
         keys = tuple(value.keys())
         return "dict", type(value), keys, [value[key] for key in keys]
@@ -258,6 +263,12 @@ def rebuild(
         return node_type(*values)
     if kind in ("tuple", "list", "structseq"):
         return node_type(values)
+    if kind == "tuple subclass":
+        rebuilt: Any = tuple.__new__(node_type, values)
+        state = getattr(template, "__dict__", None)
+        if state:
+            rebuilt.__dict__.update(state)
+        return rebuilt
     if kind == "list subclass":
         rebuilt = _shell_of(template)
         list.clear(rebuilt)  # a custom __reduce__ may pass the items to the constructor
@@ -318,7 +329,9 @@ def _visit(node: Any, node_path: str, leaves: list[Any], paths: list[str]) -> Tr
         for key, child in zip(keys, values)
     )
     template = None
-    if kind in ("dataclass", "list subclass") or (kind == "dict" and node_type is not dict):
+    if kind in ("dataclass", "list subclass", "tuple subclass") or (
+        kind == "dict" and node_type is not dict
+    ):
         template = node
     return TreeSpec(kind, node_type, keys, child_specs, template)
 

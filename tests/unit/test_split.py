@@ -196,3 +196,27 @@ def test_tensor_only_calls_split_and_merge_like_the_general_path() -> None:
         dbo.default_merge([x.sum(), x.sum()])
     empty = torch.zeros(0, 2)  # the same zero-row tensor from every ubatch merges
     assert dbo.default_merge([empty, empty]).shape == (0, 2)
+
+
+def test_a_tuple_subclass_is_split_and_merged_as_its_own_type() -> None:
+    class Pair(tuple):  # type: ignore[type-arg]
+        def __new__(cls, first: torch.Tensor, second: torch.Tensor) -> Pair:
+            return super().__new__(cls, (first, second))
+
+    seen: list[tuple[int, int]] = []
+
+    def fn(pair: Pair) -> Pair:
+        seen.append((int(pair[0].shape[0]), int(pair[1].shape[0])))
+        return Pair(pair[0] + 1, pair[1] * 2)
+
+    x, y = torch.arange(4.0), torch.arange(8.0).reshape(4, 2)
+    pair = Pair(x, y)
+    pair.note = "kept"  # type: ignore[attr-defined]
+    out = dbo.overlap(fn, timeout_s=30)(pair)
+    assert seen == [(2, 2), (2, 2)]  # split, not passed whole to every ubatch
+    assert type(out) is Pair and torch.equal(out[0], x + 1) and torch.equal(out[1], y * 2)
+    first_args, _ = dbo.default_split((pair,), {}, 2)[0]
+    assert type(first_args[0]) is Pair
+    assert first_args[0].note == "kept"  # type: ignore[attr-defined]
+    size = torch.Size([3, 2])  # a shape stays a leaf
+    assert dbo.default_split((torch.zeros(4), size), {}, 2)[1][0][1] is size
