@@ -2,10 +2,12 @@
 
 Intra-op thread count, grad mode, inference mode, autocast (cpu, cuda, xpu, mps, hpu
 and the privateuse1 backend), the default device (`with torch.device(...)`,
-`torch.set_default_device`) and the current CUDA device are all per thread in PyTorch.
-CPU affinity is per thread too, but is not replayed per call (see `dbo._affinity`).
-Not replayed: other torch-function and dispatch modes (e.g. FakeTensorMode) and
-saved-tensor hooks; enter those inside `fn`. `torch.func` transforms (grad, vmap)
+`torch.set_default_device`), the current CUDA device and the saved-tensor hooks
+(`torch.autograd.graph.saved_tensors_hooks`: `save_on_cpu`, non-reentrant checkpointing
+around the overlapped call; the innermost pair, and whether they are disabled) are all
+per thread in PyTorch. CPU affinity is per thread too, but is not replayed per call (see
+`dbo._affinity`). Not replayed: other torch-function and dispatch modes (e.g.
+FakeTensorMode); enter those inside `fn`. `torch.func` transforms (grad, vmap)
 cannot cross threads: `dbo.overlap` runs inline under one. The profiler records the
 caller's thread only, unless started with
 `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
@@ -20,6 +22,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass
 from threading import local
+from typing import Any
 
 import torch
 
@@ -58,6 +61,10 @@ class ThreadSettings:
     autocast_cache_enabled: bool
     default_device: torch.device
     cuda_device: int | None
+    saved_tensors_hooks: tuple[Any, Any] | None = None
+    """The innermost (pack, unpack) pair of `torch.autograd.graph.saved_tensors_hooks`."""
+    saved_tensors_hooks_disabled: str | None = None
+    """The error message of `disable_saved_tensors_hooks`, if they are disabled."""
 
 
 def capture() -> ThreadSettings:
@@ -81,10 +88,19 @@ def capture() -> ThreadSettings:
         autocast_cache_enabled=torch.is_autocast_cache_enabled(),
         default_device=default_device(),
         cuda_device=cuda_device,
+        saved_tensors_hooks=_top_saved_tensors_hooks(True),
+        saved_tensors_hooks_disabled=_saved_tensors_hooks_disabled(),
     )
 
 
 
+_autograd = torch._C._autograd
+_top_saved_tensors_hooks = getattr(
+    _autograd, "_top_saved_tensors_default_hooks", lambda ignore_is_tracing: None
+)
+_saved_tensors_hooks_disabled = getattr(
+    _autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None
+)
 _CPU = torch.device("cpu")
 _function_mode_depth = getattr(torch._C, "_len_torch_function_stack", None)
 _device_context_holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
@@ -134,6 +150,8 @@ class applied:  # noqa: N801 - used like the function-style context managers
             and not settings.autocast
             and torch.is_grad_enabled() == settings.grad_enabled
             and settings.default_device == default_device()
+            and settings.saved_tensors_hooks is None
+            and settings.saved_tensors_hooks_disabled is None
         ):
             return
         with ExitStack() as stack:  # unwinds what was entered if an enter fails
@@ -148,6 +166,16 @@ class applied:  # noqa: N801 - used like the function-style context managers
                 )
             if settings.default_device != default_device():
                 stack.enter_context(settings.default_device)
+            if settings.saved_tensors_hooks is not None:
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(*settings.saved_tensors_hooks)
+                )
+            if settings.saved_tensors_hooks_disabled is not None:
+                stack.enter_context(
+                    torch.autograd.graph.disable_saved_tensors_hooks(
+                        settings.saved_tensors_hooks_disabled
+                    )
+                )
             self._stack = stack.pop_all()
 
     def __exit__(self, *exc_info: object) -> None:

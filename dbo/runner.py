@@ -233,9 +233,10 @@ class UBatchRunner:
         Threading: ubatch 0 starts; a ubatch gives the baton to the next live ubatch only
         at a yield point (`dbo.yield_()` and the `yield_and_switch_*` calls) or when `fn`
         returns or raises. Each ubatch thread runs with the caller's torch settings
-        (intra-op threads, grad / inference mode, autocast, default device); CUDA work goes
-        to the device of the ubatch streams. The workers run on the CPUs of the thread that
-        created the runner (Linux affinity), whatever the caller's are now.
+        (intra-op threads, grad / inference mode, autocast, default device, saved-tensor
+        hooks); CUDA work goes to the device of the ubatch streams. The workers run on
+        the CPUs of the thread that created the runner (Linux affinity), whatever the
+        caller's are now.
 
         Streams (CUDA): ubatch i starts on its compute stream, which waits for the
         caller's current stream; before `run` returns, the caller's current stream waits

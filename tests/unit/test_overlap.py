@@ -465,3 +465,65 @@ def test_small_batches_run_inline() -> None:
     dbo.overlap(fn)(3.0)  # nothing to split
     dbo.overlap(fn, min_batch_size=8)(torch.zeros(8))
     assert calls == [(2, False), (6, False), (3.0, False), (4, True), (4, True)]
+
+
+def test_the_caller_s_saved_tensor_hooks_are_active_in_the_ubatches() -> None:
+    # save_on_cpu and non-reentrant checkpointing around an overlapped call work by
+    # these hooks; without them in the ubatch threads memory is silently not saved.
+    linear = torch.nn.Linear(4, 4)
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(linear(h)).sin()
+
+    x = torch.randn(6, 4, requires_grad=True)
+    packed: list[str] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        packed.append(threading.current_thread().name)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        for part in x.tensor_split(2):
+            fn(part)
+        in_turn = len(packed)
+        packed.clear()
+        y = dbo.overlap(fn, timeout_s=30)(x)
+    assert in_turn > 0 and len(packed) == in_turn
+    assert all(name.startswith("dbo-ubatch-") for name in packed)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    (expected,) = torch.autograd.grad(fn(x).sum(), x)
+    assert torch.allclose(grad, expected)
+
+
+def test_disabled_saved_tensor_hooks_stay_disabled_in_the_ubatches() -> None:
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            return h * 2
+
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here, says the caller"):
+        with pytest.raises(RuntimeError, match="no hooks here, says the caller"):
+            dbo.overlap(fn, timeout_s=30)(torch.ones(4, 2))
+
+
+@pytest.mark.parametrize("num_ubatches", [2, 3])
+def test_non_reentrant_checkpointing_around_an_overlap_gives_the_same_gradients(
+    num_ubatches: int,
+) -> None:
+    # Its hooks now run in the ubatch threads: the recomputation in backward reruns
+    # the overlap, and must find the tensors the forward's ubatches packed.
+    from torch.utils.checkpoint import checkpoint
+
+    linear = torch.nn.Linear(4, 4)
+
+    def fn(h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(linear(h))
+        dbo.yield_()
+        return torch.sin(linear(h)) * h
+
+    step = dbo.overlap(fn, num_ubatches=num_ubatches, timeout_s=30)
+    x = torch.randn(7, 4, requires_grad=True)
+    y = checkpoint(step, x, use_reentrant=False)
+    grads = torch.autograd.grad(y.sum(), (x, linear.weight))
+    expected = torch.autograd.grad(step(x).sum(), (x, linear.weight))
+    for got, want in zip(grads, expected):
+        assert torch.allclose(got, want)
