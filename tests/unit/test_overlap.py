@@ -500,9 +500,12 @@ def test_disabled_saved_tensor_hooks_stay_disabled_in_the_ubatches() -> None:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             return h * 2
 
-    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here, says the caller"):
-        with pytest.raises(RuntimeError, match="no hooks here, says the caller"):
-            dbo.overlap(fn, timeout_s=30)(torch.ones(4, 2))
+    message = "no hooks here, says the caller"
+    with (
+        torch.autograd.graph.disable_saved_tensors_hooks(message),
+        pytest.raises(RuntimeError, match=message),
+    ):
+        dbo.overlap(fn, timeout_s=30)(torch.ones(4, 2))
 
 
 @pytest.mark.parametrize("num_ubatches", [2, 3])
