@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -75,11 +76,22 @@ torch.distributed's function)."""
 class CollectiveWork:
     """An in-flight collective launched with `async_op=True`.
 
-    `wait()` completes it: inside the overlap that launched it, it first yields to the
-    other ubatches (once), then waits. CUDA: the *current* stream waits for the
+    `wait()` completes it: inside the overlap that launched it, its first call yields to
+    the other ubatches (once), then it waits. CUDA: the *current* stream waits for the
     collective (the host does not block). gloo: the host blocks until the data arrived
-    (GIL released) and re-raises a peer's failure or the group's timeout. The tensors
-    passed to the collective stay referenced until `wait()` returns.
+    (GIL released) and raises a peer's failure or the group's timeout. Like torch's
+    `Work.wait`, it returns True. The tensors passed to the collective stay referenced
+    until `wait()` returned or failed for good.
+
+    Once a wait succeeded, later waits return True at once. Once one failed (a peer's
+    failure, the group's timeout, an error raised at the yield), the handle is failed:
+    every later wait raises the same exception again, as torch's `Work` does, never
+    returning as if the data had arrived. The exception is a wait's own `timeout`
+    passing while the collective is still in flight: that wait raises torch's error and
+    the handle stays in flight (a later wait waits again, without yielding).
+
+    `get_future()` and `result()` are the underlying `Work`'s (AttributeError if it has
+    none). They neither yield nor count as a wait: inside an overlap, use `wait()`.
 
     Inside an overlap, a handle still in flight when the ubatch's function returns is
     waited then (without a yield), so the end of the overlap covers it: the caller's
@@ -87,7 +99,9 @@ class CollectiveWork:
     stream of its own that only a wait connects to them.
     """
 
-    __slots__ = ("_work", "_tensors", "_yields", "_done", "_exit_cell", "_name")
+    __slots__ = (
+        "_work", "_tensors", "_yields", "_waited", "_done", "_error", "_exit_cell", "_name"
+    )
 
     def __init__(
         self, work: Any, tensors: Sequence[torch.Tensor], yields: bool, name: str = "collective"
@@ -95,7 +109,9 @@ class CollectiveWork:
         self._work = work
         self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
         self._yields = yields
+        self._waited = False  # a wait() began: later ones never yield
         self._done = False
+        self._error: BaseException | None = None
         self._exit_cell: list[CollectiveWork] = []
         self._name = name
 
@@ -109,26 +125,79 @@ class CollectiveWork:
         inside an overlap, see the module docstring)."""
         return bool(self._work.is_completed())
 
-    def wait(self, *, yield_first: bool = True) -> None:
-        """Yield (inside the launching overlap, if `yield_first`), then wait. Idempotent:
-        a second call returns at once, without yielding.
+    def get_future(self) -> Any:
+        """The underlying `Work.get_future()`: a `torch.futures.Future` completed with the
+        collective (it does not yield and does not count as this handle's wait)."""
+        return self._work.get_future()
+
+    def result(self) -> Any:
+        """The underlying `Work.result()` (the collective's output tensors, per torch)."""
+        return self._work.result()
+
+    def wait(self, timeout: timedelta | None = None, *, yield_first: bool = True) -> bool:
+        """Yield (at the first call, inside the launching overlap, if `yield_first`), then
+        wait; return True. A second call after success returns True at once, without
+        yielding; after a failure it raises the same exception again.
+
+        `timeout`: as torch's `Work.wait(timeout)`, a `datetime.timedelta` passed to the
+        underlying wait (`timedelta(0)`, torch's default, or None: no limit but the
+        group's timeout). If it passes while the collective is still in flight, the error
+        propagates and the handle stays in flight.
 
         `yield_first=False` waits without letting the other ubatches run first; choose it
         in the program, never from timing.
         """
+        if self._error is not None:
+            raise self._error
         if self._done:
-            return
-        self._done = True
-        try:
-            if self._yields and yield_first and dbo.enabled():
+            return True
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(
+                f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}"
+            )
+        yields = self._yields and yield_first and not self._waited
+        self._waited = True  # only the first wait may yield, whatever it was asked
+        if yields and dbo.enabled():
+            try:
                 dbo.yield_()
-            _blocking(self._work.wait, self._name, None)
-        finally:
-            self._tensors = ()
-            self._exit_cell.clear()
+            except BaseException as error:
+                self._fail(error)
+                raise
+        try:
+            if timeout is None:
+                _blocking(self._work.wait, self._name, None)
+            else:
+                _blocking(self._work.wait, self._name, None, timeout)
+        except BaseException as error:
+            if timeout is not None and not self._finished():
+                raise  # only the caller's timeout passed: still in flight, as torch's Work
+            self._fail(error)
+            raise
+        self._done = True
+        self._release()
+        return True
+
+    def _finished(self) -> bool:
+        """After a wait raised: whether the collective is over (failed), not still in
+        flight. A Work that cannot say counts as over."""
+        try:
+            return bool(self._work.is_completed())
+        except Exception:
+            return True
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._release()
+
+    def _release(self) -> None:
+        self._tensors = ()
+        self._exit_cell.clear()
 
     def __repr__(self) -> str:
-        state = "waited" if self._done else "in flight"
+        if self._error is not None:
+            state = f"failed: {type(self._error).__name__}"
+        else:
+            state = "waited" if self._done else "in flight"
         return f"CollectiveWork({state}, yields={self._yields})"
 
 
@@ -250,15 +319,57 @@ def _check_rows(output: torch.Tensor, input: torch.Tensor) -> None:
 
 
 def _require_world_chunks(
-    whole_name: str, whole: torch.Tensor, chunk_name: str, chunk: torch.Tensor, world_size: int
+    op: str,
+    whole_name: str,
+    whole: torch.Tensor,
+    chunk_name: str,
+    chunk: torch.Tensor,
+    group: dist.ProcessGroup,
 ) -> None:
-    """`whole` must hold one `chunk` per rank (all-gather output, reduce-scatter input)."""
+    """`whole` must hold one `chunk` per rank (all-gather output, reduce-scatter input),
+    in a layout the backend takes. NCCL checks only the element counts, so any shapes do
+    (e.g. the stack [world_size, *chunk.shape]). gloo takes only the concatenation along
+    dim 0, [world_size * chunk.shape[0], *chunk.shape[1:]], and rejects the rest inside
+    the launch (a 0-dim reduce-scatter output crashes the process), so on every non-NCCL
+    backend other layouts are refused here, before any launch."""
+    world_size = group.size()
     if whole.numel() != world_size * chunk.numel():
         raise ValueError(
             f"{whole_name} must hold world_size * {chunk_name}.numel() = {world_size} * "
             f"{chunk.numel()} = {world_size * chunk.numel()} elements, got shape "
             f"{tuple(whole.shape)} ({whole.numel()} elements)"
         )
+    if _runs_on_nccl(group, chunk):  # first: the cheapest answer on the GPU's hot path
+        return
+    whole_shape, chunk_shape = whole.shape, chunk.shape
+    if (
+        chunk_shape
+        and len(whole_shape) == len(chunk_shape)
+        and whole_shape[0] == world_size * chunk_shape[0]
+        and whole_shape[1:] == chunk_shape[1:]
+    ):
+        return
+    if chunk_shape:
+        accepted = (world_size * chunk_shape[0], *chunk_shape[1:])
+        fix = f"pass {whole_name}.view({', '.join(map(str, accepted))}) (the same memory)"
+    else:
+        accepted = (world_size,)
+        fix = f"pass {chunk_name}.view(1) and {whole_name}.view({world_size})"
+    raise ValueError(
+        f"{op} on a {group.name()} group takes only {whole_name} of shape "
+        f"[world_size * {chunk_name}.shape[0], *{chunk_name}.shape[1:]] (the "
+        f"concatenation along dim 0; {chunk_name} needs at least one dim), here "
+        f"{accepted}; got {whole_name} {tuple(whole_shape)} for {chunk_name} "
+        f"{tuple(chunk_shape)} with world_size {world_size}. Other layouts with the same "
+        f"number of elements (e.g. the stack [world_size, *{chunk_name}.shape]) are NCCL's "
+        f"only; {fix}"
+    )
+
+
+def _runs_on_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether NCCL runs `group`'s collectives on `tensor`: CUDA tensors on a group whose
+    backend is NCCL (also a "cpu:gloo,cuda:nccl" group, which torch names nccl)."""
+    return tensor.is_cuda and backend_is_nccl(group)
 
 
 def _check_async_op(async_op: Any) -> bool:
@@ -345,9 +456,15 @@ def all_gather_into_tensor(
 ) -> CollectiveWork | None:
     """Gather every rank's `input` into `output`, in rank order.
 
-    Tensor contract: `input` any shape; `output` holds `world_size * input.numel()`
-    elements (e.g. [world_size * n, ...] or [world_size, n, ...]), same dtype and
-    device, contiguous; rank r's input lands in the r-th chunk of `output`.
+    Tensor contract: `output` holds `world_size * input.numel()` elements, same dtype
+    and device as `input`, both contiguous; rank r's input lands in the r-th chunk of
+    `output` (elements `[r * input.numel(), (r + 1) * input.numel())`). Layouts:
+      - every backend: the concatenation along dim 0, `input` [n, *rest] (at least one
+        dim) and `output` [world_size * n, *rest];
+      - NCCL only (the backend that runs the tensors' device): any shapes with those
+        element counts, e.g. the stack `output` [world_size, n, *rest] or a 0-dim
+        `input`. gloo rejects those inside the launch; on gloo and every other non-NCCL
+        backend they raise ValueError here (naming the shapes), before any launch.
 
     Outside an overlap: `torch.distributed.all_gather_into_tensor`. Inside: on the
     ubatch's comm stream and group, yielding while in flight (module docstring).
@@ -355,8 +472,7 @@ def all_gather_into_tensor(
     base = resolve_group(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base)
-    world_size = base.size()
-    _require_world_chunks("output", output, "input", input, world_size)
+    _require_world_chunks("all_gather_into_tensor", "output", output, "input", input, base)
     return _run(
         "all_gather_into_tensor", _launch.all_gather_into_tensor,
         (output, input), (output, input), base, async_op,
@@ -374,7 +490,14 @@ def reduce_scatter_tensor(
 
     Tensor contract: `input` holds `world_size * output.numel()` elements, same dtype
     and device as `output`, both contiguous; chunk r is `input.flatten()` elements
-    `[r * output.numel(), (r + 1) * output.numel())`.
+    `[r * output.numel(), (r + 1) * output.numel())`. Layouts:
+      - every backend: the concatenation along dim 0, `output` [n, *rest] (at least one
+        dim) and `input` [world_size * n, *rest];
+      - NCCL only (the backend that runs the tensors' device): any shapes with those
+        element counts, e.g. the stack `input` [world_size, n, *rest] or a 0-dim
+        `output`. gloo rejects those inside the launch (a 0-dim `output` crashes the
+        process); on gloo and every other non-NCCL backend they raise ValueError here
+        (naming the shapes), before any launch.
 
     Outside an overlap: `torch.distributed.reduce_scatter_tensor`. Inside: on the
     ubatch's comm stream and group, yielding while in flight (module docstring).
@@ -383,8 +506,7 @@ def reduce_scatter_tensor(
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base)
     require_reduce_op(op)
-    world_size = base.size()
-    _require_world_chunks("input", input, "output", output, world_size)
+    _require_world_chunks("reduce_scatter_tensor", "input", input, "output", output, base)
     return _run(
         "reduce_scatter_tensor", _launch.reduce_scatter_tensor,
         (output, input, op), (output, input), base, async_op,

@@ -33,17 +33,19 @@ smallest batch), give every rank the same batch size, or run the ubatches with a
 The creation rule: `torch.distributed.new_group` is itself a collective over the world.
 Every rank of the world must call `ubatch_groups(group, n)` the same number of times, in
 the same order relative to its other group creations, outside any overlap (a non-member
-passes `ranks=`); `init_distributed`
-does it for the default group at start-up. Creating groups lazily from one ubatch thread
-could interleave differently with the other ubatch's collectives on different ranks, so
-inside an overlap `ubatch_groups` only returns groups that already exist and raises
-otherwise, and the collectives never create groups: without duplicates they fall back to
-the base group (correct, just serialized).
+passes `ranks=`, and `key=` to tell apart base groups with the same ranks); it creates
+only the duplicates a group does not have yet, so repeating a call is harmless on members
+and non-members alike. `init_distributed` does it for the default group at start-up.
+Creating groups lazily from one ubatch thread could interleave differently with the
+other ubatch's collectives on different ranks, so inside an overlap `ubatch_groups` only
+returns groups that already exist and raises otherwise, and the collectives never create
+groups: without duplicates they fall back to the base group (correct, just serialized).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 from datetime import timedelta
 from typing import Any
 
@@ -65,6 +67,10 @@ class UBatchGroupRegistry:
         self._lock = threading.Lock()
         self._duplicates: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
         self._is_duplicate: set[dist.ProcessGroup] = set()
+        self._created_as_non_member: dict[tuple[tuple[int, ...], str, Hashable], int] = {}
+        """How many duplicates this rank helped create for a base group it is not a member
+        of, per (ranks, backend, key): the member ranks' `_duplicates[base]` count, which a
+        non-member (it has no group object) keeps by what identifies the base group."""
         self.timeout_s: float | None = None
 
     def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
@@ -110,13 +116,30 @@ class UBatchGroupRegistry:
                     self._is_duplicate.add(duplicate)
             return tuple(existing[:num_ubatches])
 
-    def create_for_non_member(self, ranks: list[int], backend: str, num_ubatches: int) -> None:
-        """The part of the collective group creation a rank outside the base group does."""
-        if dbo.enabled():
-            raise RuntimeError("comm.ubatch_groups must be called outside dbo.overlap")
+    def create_for_non_member(
+        self, ranks: list[int], backend: str, num_ubatches: int, key: Hashable = None
+    ) -> None:
+        """The part of the collective group creation a rank outside the base group does.
+
+        Mirrors `get_or_create` on the members: only the duplicates not created yet for
+        this base group, identified by `(ranks, backend, key)` (a non-member has no group
+        object), so that every rank of the world calls `new_group` equally often.
+        """
+        identity = (tuple(ranks), backend, key)
         with self._lock:
-            for index in range(num_ubatches):
+            created = self._created_as_non_member.get(identity, 0)
+            if created >= num_ubatches:
+                return
+            if dbo.enabled():
+                raise RuntimeError(
+                    f"comm.ubatch_groups(group, {num_ubatches}, ranks={list(ranks)}) would "
+                    f"create {num_ubatches - created} process group(s) inside an overlap; "
+                    "creating a group is a collective that every rank must call in the same "
+                    "order, so call comm.ubatch_groups on every rank outside dbo.overlap"
+                )
+            for index in range(created, num_ubatches):
                 self._new_group(ranks, backend, index)
+                self._created_as_non_member[identity] = index + 1
 
     def _new_group(self, ranks: list[int], backend: str, index: int) -> Any:
         # Every rank of the world takes part (use_local_synchronization=False): then the
@@ -138,6 +161,7 @@ class UBatchGroupRegistry:
             duplicates = [group for groups in self._duplicates.values() for group in groups]
             self._duplicates.clear()
             self._is_duplicate.clear()
+            self._created_as_non_member.clear()
             return duplicates
 
 
@@ -169,17 +193,30 @@ def group_registry() -> UBatchGroupRegistry:
 
 
 def ubatch_groups(
-    group: Any = None, num_ubatches: int = 2, *, ranks: list[int] | None = None
+    group: Any = None,
+    num_ubatches: int = 2,
+    *,
+    ranks: list[int] | None = None,
+    key: Hashable = None,
 ) -> tuple[dist.ProcessGroup, ...]:
     """Create (once) and return `num_ubatches` duplicates of `group`, one per ubatch.
 
-    A collective over the whole world the first time for a given `(group, num_ubatches)`,
-    like `torch.distributed.new_group`: every rank of the *world* must call it, in the
-    same order relative to its other group creations, and outside any overlap (inside one
-    it only returns existing duplicates, else raises RuntimeError). A rank that is not a
-    member of `group` (it got `GroupMember.NON_GROUP_MEMBER` from `new_group`) calls it
-    with that value and `ranks=` the group's ranks, and gets `()`. Later calls return the
-    same groups without communicating.
+    A collective over the whole world whenever it creates duplicates, like
+    `torch.distributed.new_group`: every rank of the *world* must call it, in the same
+    order relative to its other group creations, and outside any overlap (inside one it
+    only returns existing duplicates, else raises RuntimeError). It creates only the
+    duplicates `group` does not have yet: a later call with the same or a smaller
+    `num_ubatches` returns the same groups without communicating; one with a larger
+    `num_ubatches` creates the missing ones.
+
+    A rank that is not a member of `group` (it got `GroupMember.NON_GROUP_MEMBER` from
+    `new_group`) calls it with that value and `ranks=` the group's ranks, and gets `()`.
+    Having no group object, it counts the duplicates it helped create per `(ranks, key)`
+    (and the world's backend), exactly as the members count them per group, so repeated
+    calls stay in step with the members. Several base groups with the same ranks (e.g.
+    two `new_group([0, 1])`) are the same group to a non-member unless each gets its own
+    `key=`: pass a distinct hashable per base group, on every rank (members ignore
+    `ranks=` and `key=`).
 
     After this call, `comm`'s collectives on `group` (or on the default group, for
     `group=None`) run ubatch i's collectives on duplicate `i % num_ubatches` inside an
@@ -189,18 +226,26 @@ def ubatch_groups(
     Args:
         group: the base group; None: the default (world) group.
         num_ubatches: how many duplicates, >= 1 (the ubatch count you overlap with).
+        ranks: on a non-member only (required there): the base group's ranks.
+        key: on a non-member only: which base group of those with these `ranks` this is.
     """
     if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
         raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
     if num_ubatches < 1:
         raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    try:  # on every rank, so that a bad call raises alike on members and non-members
+        hash(key)
+    except TypeError:
+        raise TypeError(f"key must be hashable, got {type(key).__name__}") from None
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         if ranks is None:
             raise ValueError(
                 "this rank is not a member of the group; pass ranks= (the group's ranks, as "
                 "given to new_group) so that it can take part in creating the duplicates"
             )
-        _registry.create_for_non_member(list(ranks), str(dist.get_backend()), num_ubatches)
+        _registry.create_for_non_member(
+            [int(rank) for rank in ranks], str(dist.get_backend()), num_ubatches, key
+        )
         return ()
     return _registry.get_or_create(resolve_group(group), num_ubatches)
 

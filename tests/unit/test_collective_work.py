@@ -1,0 +1,249 @@
+"""`comm.CollectiveWork` (the handle of an `async_op=True` collective) against torch's
+`Work`, and the all-gather / reduce-scatter layout checks, in a world of one (gloo).
+
+Each test guards a fix of a review finding (see its docstring).
+"""
+
+from __future__ import annotations
+
+import warnings
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import comm
+import comm._launch
+import comm.collectives
+from comm.collectives import CollectiveWork
+
+
+class _FakeWork:
+    """A stand-in for torch's `Work`: `outcomes` says what each wait() does in turn (an
+    exception to raise, or a value to return); `completed` what is_completed() says."""
+
+    def __init__(self, *outcomes: Any, completed: bool = True) -> None:
+        self.outcomes = list(outcomes)
+        self.completed = completed
+        self.wait_args: list[tuple[Any, ...]] = []
+
+    def wait(self, *args: Any) -> Any:
+        self.wait_args.append(args)
+        outcome = self.outcomes.pop(0) if self.outcomes else True
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+# --- CollectiveWork.wait ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_wait_returns_true_like_torchs_work(world_of_one: None) -> None:
+    """comm/collectives.py CollectiveWork.wait returned None where torch's Work.wait
+    returns True (`if work.wait():` code broke when switched to comm)."""
+    tensor = torch.ones(3)
+    assert dist.all_reduce(tensor, async_op=True).wait() is True  # torch's behaviour
+    handle = comm.all_reduce(tensor, async_op=True)
+    assert handle is not None
+    assert handle.wait() is True
+    assert handle.wait() is True  # a second wait after success: at once, True again
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_after_a_failed_wait_raises_the_same_error() -> None:
+    """CollectiveWork.wait marked itself done *before* waiting: after a wait that raised
+    (a peer failed, the group timed out), the next wait returned quietly, as if the data
+    had arrived. torch's Work raises again; so must the handle, never succeeding later."""
+    failure = RuntimeError("peer 1 closed the connection")
+    work = _FakeWork(failure, True)  # a second underlying wait would "succeed"
+    output = torch.zeros(2)
+    handle = CollectiveWork(work, (output,), yields=False, name="all_reduce")
+    with pytest.raises(RuntimeError) as first:
+        handle.wait()
+    assert first.value is failure
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as again:
+            handle.wait()
+        assert again.value is failure
+    assert len(work.wait_args) == 1  # the failure is remembered, not retried
+    assert handle._tensors == ()  # released once failed for good
+    assert "failed" in repr(handle)
+
+
+@pytest.mark.timeout(60)
+def test_wait_passes_torchs_timeout_through(world_of_one: None) -> None:
+    """torch's Work.wait takes a `timeout` (timedelta); CollectiveWork.wait refused it
+    (TypeError: takes 1 positional argument). It is passed to the underlying wait."""
+    work = _FakeWork(True)
+    handle = CollectiveWork(work, (), yields=False)
+    assert handle.wait(timedelta(seconds=2)) is True
+    assert work.wait_args == [(timedelta(seconds=2),)]
+    plain = _FakeWork(True)
+    assert CollectiveWork(plain, (), yields=False).wait() is True
+    assert plain.wait_args == [()]  # no timeout: torch's own default
+
+    real = comm.all_reduce(torch.ones(2), async_op=True)
+    assert real is not None
+    assert real.wait(timedelta(seconds=30)) is True
+    with pytest.raises(TypeError, match="timedelta"):
+        CollectiveWork(_FakeWork(True), (), yields=False).wait(5)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_whose_own_timeout_passed_leaves_the_handle_in_flight() -> None:
+    """As torch's Work: `wait(timeout)` passing its timeout while the collective is still
+    in flight raises, and a later wait waits again (it is not a failure of the
+    collective); the tensors stay referenced meanwhile."""
+    timed_out = RuntimeError("Operation timed out!")
+    work = _FakeWork(timed_out, True, completed=False)
+    output = torch.zeros(2)
+    handle = CollectiveWork(work, (output,), yields=False)
+    with pytest.raises(RuntimeError, match="timed out"):
+        handle.wait(timedelta(milliseconds=10))
+    assert handle._tensors == (output,)
+    assert "in flight" in repr(handle)
+    work.completed = True
+    assert handle.wait() is True
+    assert len(work.wait_args) == 2
+
+
+@pytest.mark.timeout(60)
+def test_get_future_and_result_are_the_underlying_works(world_of_one: None) -> None:
+    """CollectiveWork had no get_future() / result() (AttributeError), which torch's Work
+    has; code written against torch's handle broke on comm's."""
+    tensor = torch.ones(3)
+    handle = comm.all_reduce(tensor, async_op=True)
+    assert handle is not None
+    future = handle.get_future()
+    assert isinstance(future, torch._C.Future)  # what torch's Work.get_future returns
+    value = future.wait()
+    assert torch.equal(value[0], torch.ones(3))
+    assert handle.wait() is True
+    second = comm.all_reduce(tensor, async_op=True)
+    assert second is not None
+    second.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "Work::result API is being deprecated"
+        result = second.result()
+    assert len(result) == 1 and torch.equal(result[0], tensor)
+
+
+# --- all-gather / reduce-scatter layouts -----------------------------------------------
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record (instead of running) every all-gather / reduce-scatter launch."""
+    seen: list[str] = []
+
+    def record(name: str) -> Any:
+        def launch(group: Any, *args: Any) -> None:
+            seen.append(name)
+
+        return launch
+
+    monkeypatch.setattr(comm._launch, "all_gather_into_tensor", record("all_gather"))
+    monkeypatch.setattr(comm._launch, "reduce_scatter_tensor", record("reduce_scatter"))
+    return seen
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("output_shape", "input_shape"),
+    [((1, 4), (4,)), ((1, 2, 3), (2, 3)), ((6,), (2, 3)), ((1,), ())],
+)
+def test_all_gather_layouts_gloo_rejects_raise_before_launching(
+    world_of_one: None, launches: list[str], output_shape: tuple[int, ...],
+    input_shape: tuple[int, ...],
+) -> None:
+    """The documented layout `output` [world_size, n] for `input` [n] passed comm's check
+    and then failed inside ProcessGroupGloo::allgather ("invalid tensor size"): gloo
+    takes only [world_size * n, *rest]. On a non-NCCL group comm must say so first."""
+    with pytest.raises(ValueError) as error:
+        comm.all_gather_into_tensor(torch.zeros(output_shape), torch.ones(input_shape))
+    message = str(error.value)
+    assert str(output_shape) in message and str(input_shape) in message
+    assert "concatenation" in message and "world_size * input.shape[0]" in message
+    assert launches == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("output_shape", "input_shape"),
+    [((4,), (1, 4)), ((2, 3), (1, 2, 3)), ((2, 3), (6,)), ((), (1,))],
+)
+def test_reduce_scatter_layouts_gloo_rejects_raise_before_launching(
+    world_of_one: None, launches: list[str], output_shape: tuple[int, ...],
+    input_shape: tuple[int, ...],
+) -> None:
+    """reduce_scatter_tensor with `input` [world_size, n] and `output` [n] passed comm's
+    check and failed inside ProcessGroupGloo (`outputShape[0] * worldSize ==
+    inputShape[0]`); a 0-dim `output` even crashes the process (SIGSEGV) there."""
+    with pytest.raises(ValueError) as error:
+        comm.reduce_scatter_tensor(torch.zeros(output_shape), torch.ones(input_shape))
+    message = str(error.value)
+    assert str(output_shape) in message and str(input_shape) in message
+    assert "world_size * output.shape[0]" in message
+    assert launches == []
+
+
+@pytest.mark.timeout(60)
+def test_the_concatenation_layout_still_runs_on_gloo(world_of_one: None) -> None:
+    output = torch.zeros(2, 3)
+    comm.all_gather_into_tensor(output, torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(output, torch.arange(6.0).reshape(2, 3))
+    scattered = torch.zeros(4)
+    comm.reduce_scatter_tensor(scattered, torch.arange(4.0))
+    assert torch.equal(scattered, torch.arange(4.0))
+    with pytest.raises(ValueError, match="elements"):  # the element count, as before
+        comm.all_gather_into_tensor(torch.zeros(5), torch.ones(4))
+
+
+@pytest.mark.timeout(60)
+def test_nccl_layouts_pass_the_check_where_nccl_runs_the_tensors(
+    world_of_one: None, launches: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL checks only element counts (ProcessGroupNCCL::_allgather_base and
+    _reduce_scatter_base), so the stack layout must still reach the launch there."""
+    monkeypatch.setattr(comm.collectives, "_runs_on_nccl", lambda group, tensor: True)
+    comm.all_gather_into_tensor(torch.zeros(1, 4), torch.ones(4))
+    comm.reduce_scatter_tensor(torch.zeros(4), torch.ones(1, 4))
+    comm.reduce_scatter_tensor(torch.zeros(()), torch.ones(1))
+    assert launches == ["all_gather", "reduce_scatter", "reduce_scatter"]
+
+
+@pytest.mark.timeout(60)
+def test_the_layout_rule_follows_the_backend_that_runs_the_tensors(world_of_one: None) -> None:
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup)
+    assert comm.collectives._runs_on_nccl(group, torch.ones(1)) is False  # gloo, CPU
+
+
+@pytest.mark.timeout(60)
+def test_only_the_first_wait_may_yield(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Yield points must not depend on timing: a wait whose own timeout passed (timing)
+    must not make the next wait yield again, nor a first wait(yield_first=False)."""
+    yields: list[int] = []
+    inside = SimpleNamespace(enabled=lambda: True, yield_=lambda: yields.append(1))
+    monkeypatch.setattr(comm.collectives, "dbo", inside)
+    timed_out = CollectiveWork(
+        _FakeWork(RuntimeError("Operation timed out!"), True, completed=False), (), yields=True
+    )
+    with pytest.raises(RuntimeError):
+        timed_out.wait(timedelta(milliseconds=10))
+    assert timed_out.wait() is True
+    assert yields == [1]
+    unyielded = CollectiveWork(
+        _FakeWork(RuntimeError("Operation timed out!"), True, completed=False), (), yields=True
+    )
+    with pytest.raises(RuntimeError):
+        unyielded.wait(timedelta(milliseconds=10), yield_first=False)
+    assert unyielded.wait() is True
+    assert yields == [1]
