@@ -40,6 +40,9 @@ class _ThreadState(threading.local):
 _state = _ThreadState()
 _count_lock = threading.Lock()
 _num_registered = 0
+_threads: dict[int, UBatchContext] = {}
+"""The registered threads' contexts by `threading.get_ident()`, for questions about
+*another* thread (the workspace asks whether a slot's last user still runs its ubatch)."""
 
 
 def _after_fork_in_child() -> None:
@@ -48,10 +51,11 @@ def _after_fork_in_child() -> None:
     (`dbo.yield_()` is then a no-op, rather than a wait for a baton the parent's
     threads pass), and the count lock, which another thread may have held at the fork,
     is replaced. The registration's exit still balances the count."""
-    global _count_lock, _num_registered
+    global _count_lock, _num_registered, _threads
     _count_lock = threading.Lock()
     _num_registered = 1 if _state.context is not None else 0
     _state.context = None
+    _threads = {}
 
 
 if hasattr(os, "register_at_fork"):
@@ -61,6 +65,12 @@ if hasattr(os, "register_at_fork"):
 def current_context() -> UBatchContext | None:
     """The calling thread's context, or None outside a ubatch thread."""
     return _state.context
+
+
+def ubatch_of_thread(thread_ident: int) -> int | None:
+    """The ubatch the thread `thread_ident` runs now, or None if it is not registered."""
+    context = _threads.get(thread_ident)
+    return None if context is None else context.ubatch_id
 
 
 def num_registered_threads() -> int:
@@ -92,6 +102,7 @@ class registered:  # noqa: N801 - used like the function-style context managers
         _state.context = self._context
         with _count_lock:
             _num_registered += 1
+            _threads[threading.get_ident()] = self._context
         return self._context
 
     def __exit__(self, *exc_info: object) -> None:
@@ -99,3 +110,4 @@ class registered:  # noqa: N801 - used like the function-style context managers
         _state.context = None
         with _count_lock:
             _num_registered -= 1
+            _threads.pop(threading.get_ident(), None)

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 
 import dbo
+from dbo._context import ubatch_of_thread
+
+_get_ident = threading.get_ident
 
 ALIGNMENT_BYTES = 256
 """Every view starts at an absolute address that is a multiple of this."""
@@ -261,12 +264,14 @@ class _Slot:
     slow path and realize the buffer to the shared capacity.
     """
 
-    __slots__ = ("buffer", "typed", "entries")
+    __slots__ = ("buffer", "typed", "entries", "user")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.typed: dict[torch.dtype, torch.Tensor] = {}
         self.entries: dict[Any, _Entry] = {}
+        self.user: int | None = None
+        """`threading.get_ident()` of the thread that asked last (see `_take_slot`)."""
 
     @property
     def num_bytes(self) -> int:
@@ -387,6 +392,9 @@ class WorkspaceManager:
             slot = self._slots[ubatch_id]
         except IndexError:
             raise self._no_slot_error(ubatch_id) from None
+        user = _get_ident()
+        if slot.user != user:
+            self._take_slot(slot, ubatch_id, user)
         try:
             entry = slot.entries.get(shapes_and_dtypes)
         except TypeError:  # unhashable: a list shape; look its tuple form up
@@ -417,6 +425,27 @@ class WorkspaceManager:
                 for view, shape, stride, offset in entry.views
             ]
         return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
+
+    def _take_slot(self, slot: _Slot, ubatch_id: int, user: int) -> None:
+        """Make the calling thread `slot`'s user, unless its last user is a thread that
+        runs ubatch `ubatch_id` of an overlap right now: then two threads would share
+        the slot's bytes (two overlaps at once from two caller threads, or a thread
+        outside the overlap using slot 0 meanwhile), and each would overwrite the
+        other's views without a word."""
+        with self._lock:
+            previous = slot.user
+            if previous is not None and previous != user and ubatch_of_thread(previous) == (
+                ubatch_id
+            ):
+                raise RuntimeError(
+                    f"workspace slot {ubatch_id} is in use by another thread, which runs "
+                    f"ubatch {ubatch_id} of an overlap now; one slot per ubatch id means one "
+                    "user at a time: two overlaps running at once from two threads (or a "
+                    "thread outside the overlap, which gets slot 0) would overwrite each "
+                    "other's views. Run them one after the other, or give each caller its "
+                    "own WorkspaceManager"
+                )
+            slot.user = user
 
     def _no_slot_error(self, ubatch_id: int) -> RuntimeError:
         return RuntimeError(

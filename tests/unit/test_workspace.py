@@ -1112,3 +1112,49 @@ def test_writing_a_tensor_that_requires_grad_into_a_view_leaves_its_siblings_pla
     with torch.no_grad():  # serving: plain views, still distinct memory
         c, d = manager.get_simultaneous(((4,), torch.float32), ((4,), torch.float32))
     assert c.data_ptr() != d.data_ptr() and not c.requires_grad
+
+
+@pytest.mark.timeout(30)
+def test_two_overlaps_at_once_from_two_threads_may_not_share_a_slot() -> None:
+    # One slot per ubatch id: the second caller's ubatch 0 would overwrite the views
+    # the first caller's ubatch 0 still uses. It raises instead of corrupting.
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    inside = threading.Event()
+    release = threading.Event()
+
+    def holds_its_views(x: torch.Tensor) -> torch.Tensor:
+        (scratch,) = manager.get_simultaneous(((2,), torch.float32))
+        scratch.fill_(1.0)
+        if dbo.current_ubatch_id() == 0:
+            inside.set()
+            assert release.wait(10)
+        return scratch + x
+
+    errors: list[BaseException] = []
+    first = threading.Thread(
+        target=lambda: errors.extend(_raised(dbo.overlap(holds_its_views), torch.zeros(4))),
+        daemon=True,
+    )
+    first.start()
+    assert inside.wait(10)
+    try:
+        with pytest.raises(RuntimeError, match="workspace slot 0 is in use by another thread"):
+            dbo.overlap(lambda x: manager.get_simultaneous(((2,), torch.float32))[0] + x)(
+                torch.zeros(4)
+            )
+        with pytest.raises(RuntimeError, match="workspace slot 0 is in use"):
+            manager.get_simultaneous(((2,), torch.float32))  # slot 0, from outside
+    finally:
+        release.set()
+        first.join(10)
+    assert not first.is_alive() and errors == []
+    (after,) = manager.get_simultaneous(((2,), torch.float32))  # the overlap has ended
+    assert after.shape == (2,)
+
+
+def _raised(fn: Any, *args: Any) -> list[BaseException]:
+    try:
+        fn(*args)
+    except BaseException as error:  # noqa: BLE001 - reported to the test
+        return [error]
+    return []
