@@ -252,23 +252,22 @@ class _Entry:
         """Per tensor: (`as_strided` bound to a typed view of the buffer, shape, stride,
         element offset); one call builds the view."""
         self.bases = bases
-        """The distinct typed views of the buffer that `views` cut from (checked for
-        autograd history on every call, see `_Slot.forget_history`)."""
+        """The typed views of the buffer that `views` cut from, one per view (checked
+        for autograd history on every call, see `_Slot.forget_history`)."""
 
 
 class _Slot:
-    """One ubatch's buffer, its per-dtype views, and its cached requests.
+    """One ubatch's buffer and its cached requests.
 
     Only the slot's own thread realizes its buffer (or `lock()`, when no overlap runs);
     other threads at most clear `entries`, which makes the owner's next request take the
     slow path and realize the buffer to the shared capacity.
     """
 
-    __slots__ = ("buffer", "typed", "entries", "user")
+    __slots__ = ("buffer", "entries", "user")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
         self.entries: dict[Any, _Entry] = {}
         self.user: int | None = None
         """`threading.get_ident()` of the thread that asked last (see `_take_slot`)."""
@@ -279,31 +278,32 @@ class _Slot:
 
     def drop_buffer(self) -> None:
         self.entries.clear()
-        self.typed.clear()
         self.buffer = None
 
     def forget_history(self) -> None:
-        """Drop the typed views after one of them joined an autograd graph.
+        """Drop the cached requests after one of their typed views joined a graph.
 
         Writing into a view from a tensor that requires grad (`view.copy_(activation)`)
         makes the typed view it was cut from part of that graph; views cut from it later
         would inherit the graph, require grad and keep every old step's graph alive.
-        The typed views are recut from the (uint8, history-free) buffer: same bytes, same
-        data pointers.
+        The typed views are recut from the (uint8, history-free) buffer at the next
+        request: same bytes, same data pointers.
         """
-        self.typed.clear()
         self.entries.clear()
 
     def typed_view(self, dtype: torch.dtype) -> torch.Tensor:
+        """A new `dtype` view of the whole buffer: an autograd base of its own.
+
+        Each view a request hands out is cut from a typed view of its own, so that
+        writing a tensor that requires grad into one view (which puts that typed view
+        into the graph) leaves the other views of the call as plain as `torch.empty`'s.
+        Made once per cached request, on the slow path.
+        """
         assert self.buffer is not None, "slot must be realized before it hands out views"
-        view = self.typed.get(dtype)
-        if view is None or view.requires_grad:  # see forget_history
-            # A dtype view made in inference mode would be an inference tensor, whose
-            # views refuse in-place writes outside inference mode.
-            with torch.inference_mode(False):
-                view = self.buffer.view(dtype)
-            self.typed[dtype] = view
-        return view
+        # A dtype view made in inference mode would be an inference tensor, whose views
+        # refuse in-place writes outside inference mode.
+        with torch.inference_mode(False):
+            return self.buffer.view(dtype)
 
 
 class WorkspaceManager:
@@ -415,15 +415,6 @@ class WorkspaceManager:
                         break
         if entry is None:
             entry = self._prepare(slot, shapes_and_dtypes)
-        if torch.is_grad_enabled():
-            # Detached, so that each view has an autograd life of its own: as plain views
-            # of one typed view, writing a tensor that requires grad into one of them
-            # would make its siblings require grad too (and carry its graph). No graph
-            # is recorded with grad disabled (serving): there the views stay plain.
-            return [
-                view(shape, stride, offset).detach()
-                for view, shape, stride, offset in entry.views
-            ]
         return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
 
     def _take_slot(self, slot: _Slot, ubatch_id: int, user: int) -> None:
@@ -513,12 +504,13 @@ class WorkspaceManager:
                 smallest = min(self._call_site_bytes, key=self._call_site_bytes.__getitem__)
                 del self._call_site_bytes[smallest]
         views = []
-        bases: dict[torch.dtype, torch.Tensor] = {}
+        bases = []
         for dtype, shape, stride, byte_offset in layout.items:
-            typed = bases[dtype] = slot.typed_view(dtype)
+            typed = slot.typed_view(dtype)  # one per view: see `_Slot.typed_view`
+            bases.append(typed)
             element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
             views.append((typed.as_strided, shape, stride, element_offset))
-        return _Entry(views, tuple(bases.values()))
+        return _Entry(views, tuple(bases))
 
     def _empty_maker(self, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
         device = self._device
