@@ -17,6 +17,32 @@ all-to-all runs on the ubatch's comm stream and group and yields while in flight
 plain blocking calls. Both are differentiable: the gradients take the same all-to-alls
 back (`_ExchangeRows`). The results do not depend on the overlap: a ubatch gets bitwise
 the same `recv_x` / `y` as the same call made serially on the same ubatch split.
+
+Backward order. A backward all-to-all is a collective: every rank must run the same ones
+in the same order. The autograd engine runs ready nodes by `sequence_nr`, a per-thread
+counter, and nodes recorded in different threads are not ordered against each other; so
+after an overlapped forward (each ubatch records its graph in its own worker thread) the
+order of the ubatches' backward exchanges followed how many autograd ops each thread
+happened to record, which data-dependent model code (an expert loop that skips experts
+with no rows) changes per rank: the ranks paired the wrong exchanges (wrong gradients
+or a gloo abort). And a rank whose `expert_out` did not require grad (no rows for its
+experts, frozen experts) had no backward node for `combine`'s exchange, while its peers
+did. Hence *order tokens*: each differentiable exchange takes zero-element tokens as
+extra inputs and returns one as an extra output, so that autograd runs an exchange's
+backward before that of every exchange whose token it consumed:
+  - `dispatch` stores its token in the handle and `combine` consumes it: `combine`'s
+    backward node exists whenever `dispatch`'s does (sending zeros where this rank has
+    no gradient), and its token gradient makes `dispatch`'s backward run even when
+    `recv_x` was not used;
+  - inside an overlap, every differentiable exchange of the run (all ubatches, all
+    groups) consumes the run's latest token (kept in `dbo.run_state()`) and its own
+    token becomes the latest, before it yields: the run's exchanges form one chain in
+    launch order, which the baton makes the same on every rank, and their backwards run
+    in the reverse of that order everywhere. The chain is per run: it never reaches into
+    an earlier call's graph. Outside an overlap one thread records the exchanges, and
+    its counter already orders their backwards by creation.
+Tokens are built only while grad mode is on and something the exchange takes requires
+grad; the token requires grad exactly then. Inference builds none.
 """
 
 from __future__ import annotations
@@ -28,8 +54,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dbo
 from comm._checks import require_same_device, require_tensor, resolve_group
-from comm.collectives import all_to_all_single
+from comm.collectives import CollectiveWork, all_to_all_single
 
 __all__ = ["DispatchHandle", "combine", "dispatch"]
 
@@ -59,6 +86,12 @@ class DispatchHandle:
     num_recv_tokens_per_expert: torch.Tensor
     """[world_size, E_local] int64 on the host: rows received from rank s for local
     expert e; `recv_x` holds them source-major, expert-minor."""
+    order_token: torch.Tensor | None = None
+    """A zero-element float32 tensor that requires grad, output of `dispatch`'s row
+    exchange, or None when that exchange recorded no graph (grad mode off, nothing
+    requiring grad). `combine` takes it as an input of its own exchange, so that its
+    backward exchange runs (and then `dispatch`'s) on every rank whose `dispatch` has a
+    backward, even where `expert_out` does not require grad (module docstring)."""
 
     @property
     def num_recv_tokens(self) -> int:
@@ -147,7 +180,7 @@ def dispatch(
     recv_counts_host = recv_counts.view(world_size, num_local_experts).cpu()
     recv_splits = recv_counts_host.sum(dim=1).tolist()
 
-    recv_x = _ExchangeRows.apply(send_rows, tuple(recv_splits), tuple(send_splits), base)
+    recv_x, order_token = _exchange_rows(send_rows, tuple(recv_splits), tuple(send_splits), base)
     recv_local_expert_ids = torch.repeat_interleave(
         torch.arange(num_local_experts, device=x.device).repeat(world_size),
         recv_counts.view(-1),
@@ -162,6 +195,7 @@ def dispatch(
         send_splits=tuple(send_splits),
         recv_splits=tuple(recv_splits),
         num_recv_tokens_per_expert=recv_counts_host,
+        order_token=order_token,
     )
     return recv_x, recv_local_expert_ids, handle
 
@@ -212,8 +246,8 @@ def combine(
         )
 
     hidden = int(expert_out.shape[1])
-    returned = _ExchangeRows.apply(
-        expert_out, handle.send_splits, handle.recv_splits, handle.group
+    returned, _ = _exchange_rows(
+        expert_out, handle.send_splits, handle.recv_splits, handle.group, handle.order_token
     )
     # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
     per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
@@ -224,10 +258,81 @@ def combine(
     return weighted.sum(dim=1).to(expert_out.dtype)
 
 
+_ORDER_TOKEN_KEY = "comm.moe.order_token"
+"""The `dbo.run_state()` key of the run's latest order token (module docstring)."""
+
+
+def _exchange_rows(
+    rows: torch.Tensor,
+    output_splits: tuple[int, ...],
+    input_splits: tuple[int, ...],
+    group: dist.ProcessGroup,
+    anchor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`.
+
+    Differentiable (`_ExchangeRows`) when grad mode is on and `rows`, `anchor` (a
+    handle's token) or the run's latest token requires grad; the order token is then
+    its token output (it requires grad), else None and the exchange is a plain
+    all-to-all. Inside an overlap the token becomes the run's latest before the exchange
+    yields, so that the next exchange launched, by whichever ubatch, links to it.
+    """
+    if not torch.is_grad_enabled():
+        return _plain_exchange(rows, output_splits, input_splits, group), None
+    state = dbo.run_state()
+    tokens: tuple[torch.Tensor, ...] = ()
+    if state is not None:
+        latest = state.get(_ORDER_TOKEN_KEY)
+        if latest is not None:
+            tokens = (latest,)
+    if anchor is not None and anchor.requires_grad and not any(t is anchor for t in tokens):
+        tokens = (*tokens, anchor)
+    if not (rows.requires_grad or tokens):
+        return _plain_exchange(rows, output_splits, input_splits, group), None
+    if state is None:
+        received, token = _ExchangeRows.apply(
+            rows, output_splits, input_splits, group, None, *tokens
+        )
+        return received, token
+    # Launch without waiting, publish the token, then yield and wait: the same one
+    # yield per exchange as a blocking call, but the chain follows the launch order.
+    pending: list[CollectiveWork] = []
+    received, token = _ExchangeRows.apply(
+        rows, output_splits, input_splits, group, pending, *tokens
+    )
+    state[_ORDER_TOKEN_KEY] = token
+    pending[0].wait()
+    return received, token
+
+
+def _plain_exchange(
+    rows: torch.Tensor,
+    output_splits: tuple[int, ...],
+    input_splits: tuple[int, ...],
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    all_to_all_single(
+        received, rows.contiguous(), list(output_splits), list(input_splits), group=group
+    )
+    return received
+
+
 class _ExchangeRows(torch.autograd.Function):
     """`all_to_all_single` of rows that autograd can differentiate: the gradient of the
     received rows takes the way back (the same exchange with the splits swapped), so
     training through `dispatch` / `combine` updates the experts and the layers below.
+
+    Inputs: `rows`, the splits, the group, `pending` (None: a blocking exchange; a list:
+    launch only, and append the `CollectiveWork` for the caller to wait), then any number
+    of order tokens. Outputs: the received rows and a new order token, a zero-element
+    float32 tensor on the rows' device. The backward returns a zero-element gradient for
+    each token taken: a token is data-free, it only adds a graph edge, so that autograd
+    runs this exchange's backward before the backward of every exchange whose token it
+    took. Chaining the exchanges through their tokens makes every rank run its backward
+    exchanges in the same order (the reverse of the launch order), and makes a
+    `combine`'s backward (and through it its `dispatch`'s) run even on a rank where the
+    rows did not require grad, sending zeros (module docstring).
 
     The backward runs where autograd runs it (usually outside any overlap: a plain
     blocking all-to-all); every rank must run its backward, in the same order, as for any
@@ -241,18 +346,32 @@ class _ExchangeRows(torch.autograd.Function):
         output_splits: tuple[int, ...],
         input_splits: tuple[int, ...],
         group: dist.ProcessGroup,
-    ) -> torch.Tensor:
+        pending: list[CollectiveWork] | None,
+        *tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
+        ctx.token_devices = tuple(token.device for token in tokens)
         received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-        all_to_all_single(
-            received, rows.contiguous(), list(output_splits), list(input_splits), group=group
+        work = all_to_all_single(
+            received,
+            rows.contiguous(),
+            list(output_splits),
+            list(input_splits),
+            group=group,
+            async_op=pending is not None,
         )
-        return received
+        if pending is not None:
+            assert work is not None
+            pending.append(work)
+        token = torch.empty(0, dtype=torch.float32, device=rows.device)
+        return received, token
 
     @staticmethod
-    def backward(ctx: Any, grad_received: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_received: torch.Tensor, grad_token: Any) -> tuple[Any, ...]:
         output_splits, input_splits = ctx.splits
+        # Autograd materializes a missing gradient as zeros of the output's shape: a rank
+        # whose received rows were not used still sends (zero) gradients.
         grad_rows = grad_received.new_empty((sum(input_splits), *grad_received.shape[1:]))
         all_to_all_single(
             grad_rows,
@@ -261,7 +380,12 @@ class _ExchangeRows(torch.autograd.Function):
             list(output_splits),
             group=ctx.group,
         )
-        return grad_rows, None, None, None
+        token_grads = tuple(
+            torch.zeros(0, dtype=torch.float32, device=device) if needed else None
+            for device, needed in zip(ctx.token_devices, ctx.needs_input_grad[5:])
+        )
+        grad_rows_or_none = grad_rows if ctx.needs_input_grad[0] else None
+        return (grad_rows_or_none, None, None, None, None, *token_grads)
 
 
 def _check_num_experts(num_experts: Any, world_size: int) -> int:

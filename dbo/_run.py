@@ -51,6 +51,9 @@ class OverlapRun:
         self._exit_callbacks: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
         self.first_failure: tuple[int, BaseException] | None = None
         """The ubatch that failed first and its exception (what the caller re-raises)."""
+        self.state: dict[str, Any] = {}
+        """`dbo.run_state()`: free-form state that library code shares between the ubatch
+        threads of this run (e.g. `comm.moe`'s backward order token); dropped with the run."""
 
     # ------------------------------------------------------------------ thread lifetime
     def enter(self, ubatch_id: int) -> None:

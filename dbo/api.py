@@ -41,6 +41,24 @@ def num_ubatches() -> int:
     return 1 if context is None else context.num_ubatches
 
 
+def run_state() -> dict[str, Any] | None:
+    """A dict shared by the ubatch threads of the running overlap; None outside one.
+
+    One fresh, empty dict per run (per `dbo.overlap` call or `UBatchRunner.run`),
+    dropped when the run ends, for library code whose ubatches must agree on something
+    within one run and never carry it over to the next (`comm.moe` chains the run's
+    differentiable exchanges through it). The baton makes its use race-free: only the
+    holder runs Python, so read-modify-write sequences without a yield in between are
+    atomic with respect to the other ubatches. Use keys named after your package.
+    Threads that are not ubatch threads of a run (the caller, helper threads) get None.
+    """
+    context = _state.context
+    if context is None or context.scheduler is None:
+        return None
+    state: dict[str, Any] = context.scheduler.state
+    return state
+
+
 def yield_() -> None:
     """Pass the baton to the next live ubatch; return when it comes back.
 
