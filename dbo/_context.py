@@ -67,10 +67,9 @@ def current_context() -> UBatchContext | None:
     return _state.context
 
 
-def ubatch_of_thread(thread_ident: int) -> int | None:
-    """The ubatch the thread `thread_ident` runs now, or None if it is not registered."""
-    context = _threads.get(thread_ident)
-    return None if context is None else context.ubatch_id
+def context_of_thread(thread_ident: int) -> UBatchContext | None:
+    """The context the thread `thread_ident` is registered with now, or None."""
+    return _threads.get(thread_ident)
 
 
 def num_registered_threads() -> int:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import dbo
-from dbo._context import ubatch_of_thread
+from dbo._context import context_of_thread, current_context
 
 _get_ident = threading.get_ident
 
@@ -264,13 +264,16 @@ class _Slot:
     slow path and realize the buffer to the shared capacity.
     """
 
-    __slots__ = ("buffer", "entries", "user")
+    __slots__ = ("buffer", "entries", "user", "registration")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.entries: dict[Any, _Entry] = {}
         self.user: int | None = None
         """`threading.get_ident()` of the thread that asked last (see `_take_slot`)."""
+        self.registration: Any = None
+        """That thread's ubatch registration (`UBatchContext`) when it asked; None if it
+        was outside an overlap."""
 
     @property
     def num_bytes(self) -> int:
@@ -392,9 +395,9 @@ class WorkspaceManager:
             slot = self._slots[ubatch_id]
         except IndexError:
             raise self._no_slot_error(ubatch_id) from None
-        user = _get_ident()
-        if slot.user != user:
-            self._take_slot(slot, ubatch_id, user)
+        user, registration = _get_ident(), current_context()
+        if slot.user != user or slot.registration is not registration:
+            self._take_slot(slot, ubatch_id, user, registration)
         try:
             entry = slot.entries.get(shapes_and_dtypes)
         except TypeError:  # unhashable: a list shape; look its tuple form up
@@ -417,16 +420,23 @@ class WorkspaceManager:
             entry = self._prepare(slot, shapes_and_dtypes)
         return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
 
-    def _take_slot(self, slot: _Slot, ubatch_id: int, user: int) -> None:
-        """Make the calling thread `slot`'s user, unless its last user is a thread that
-        runs ubatch `ubatch_id` of an overlap right now: then two threads would share
-        the slot's bytes (two overlaps at once from two caller threads, or a thread
-        outside the overlap using slot 0 meanwhile), and each would overwrite the
-        other's views without a word."""
+    def _take_slot(
+        self, slot: _Slot, ubatch_id: int, user: int, registration: Any
+    ) -> None:
+        """Make the calling thread (and its registration, None outside an overlap)
+        `slot`'s user, unless the last user is another thread still running the very
+        ubatch registration it asked from: then two threads would share the slot's bytes
+        (two overlaps at once from two caller threads, a thread outside the overlap
+        using slot 0 meanwhile, a helper thread inside a ubatch), and each would
+        overwrite the other's views without a word. A last user that has moved on (its
+        run ended, even if the same worker now runs another overlap) hands the slot on."""
         with self._lock:
-            previous = slot.user
-            if previous is not None and previous != user and ubatch_of_thread(previous) == (
-                ubatch_id
+            previous, previous_registration = slot.user, slot.registration
+            if (
+                previous is not None
+                and previous != user
+                and previous_registration is not None
+                and context_of_thread(previous) is previous_registration
             ):
                 raise RuntimeError(
                     f"workspace slot {ubatch_id} is in use by another thread, which runs "
@@ -436,7 +446,7 @@ class WorkspaceManager:
                     "other's views. Run them one after the other, or give each caller its "
                     "own WorkspaceManager"
                 )
-            slot.user = user
+            slot.user, slot.registration = user, registration
 
     def _no_slot_error(self, ubatch_id: int) -> RuntimeError:
         return RuntimeError(

@@ -1158,3 +1158,41 @@ def _raised(fn: Any, *args: Any) -> list[BaseException]:
     except BaseException as error:  # noqa: BLE001 - reported to the test
         return [error]
     return []
+
+
+@pytest.mark.timeout(30)
+def test_a_slot_whose_last_user_moved_on_to_another_overlap_is_free() -> None:
+    # Pooled runners: the worker that last used manager A's slot 0 now runs ubatch 0 of
+    # an unrelated overlap (which uses its own manager); A's next overlap, on another
+    # runner, must get its slot: nothing shares it.
+    mine, theirs = WorkspaceManager("cpu", num_ubatches=2), WorkspaceManager("cpu", 2)
+    inside, release = threading.Event(), threading.Event()
+
+    def uses_mine(x: torch.Tensor) -> torch.Tensor:
+        (scratch,) = mine.get_simultaneous(((2,), torch.float32))
+        scratch.fill_(1.0)
+        dbo.yield_()
+        return x + scratch.sum()
+
+    def uses_theirs(x: torch.Tensor) -> torch.Tensor:
+        (scratch,) = theirs.get_simultaneous(((2,), torch.float32))
+        if dbo.current_ubatch_id() == 0:
+            inside.set()
+            assert release.wait(10)
+        scratch.fill_(2.0)
+        return x + scratch.sum()
+
+    step, other = dbo.overlap(uses_mine), dbo.overlap(uses_theirs)
+    assert torch.equal(step(torch.zeros(4)), torch.full((4,), 2.0))  # its runner goes back
+    errors: list[BaseException] = []
+    thread = threading.Thread(
+        target=lambda: errors.extend(_raised(other, torch.zeros(4))), daemon=True
+    )
+    thread.start()  # leases the runner whose worker last used `mine`
+    assert inside.wait(10)
+    try:
+        assert torch.equal(step(torch.zeros(4)), torch.full((4,), 2.0))  # another runner
+    finally:
+        release.set()
+        thread.join(10)
+    assert not thread.is_alive() and errors == []
