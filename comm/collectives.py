@@ -39,6 +39,7 @@ a) cannot be checked locally; `comm.moe.dispatch` exchanges counts so it always 
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -85,7 +86,8 @@ class CollectiveWork:
 
     Once a wait succeeded, later waits return True at once. Once one failed (a peer's
     failure, the group's timeout, an error raised at the yield), the handle is failed:
-    every later wait raises the same exception again, as torch's `Work` does, never
+    every later wait raises that exception again (an equal copy without its traceback,
+    which would keep the failed call's frames alive), as torch's `Work` does, never
     returning as if the data had arrived. The exception is a wait's own `timeout`
     passing while the collective is still in flight: that wait raises torch's error and
     the handle stays in flight (a later wait waits again, without yielding).
@@ -137,7 +139,7 @@ class CollectiveWork:
     def wait(self, timeout: timedelta | None = None, *, yield_first: bool = True) -> bool:
         """Yield (at the first call, inside the launching overlap, if `yield_first`), then
         wait; return True. A second call after success returns True at once, without
-        yielding; after a failure it raises the same exception again.
+        yielding; after a failure it raises that exception again (an equal copy).
 
         `timeout`: as torch's `Work.wait(timeout)`, a `datetime.timedelta` passed to the
         underlying wait (`timedelta(0)`, torch's default, or None: no limit but the
@@ -148,7 +150,7 @@ class CollectiveWork:
         in the program, never from timing.
         """
         if self._error is not None:
-            raise self._error
+            raise _unlinked_copy(self._error)
         if self._done:
             return True
         if timeout is not None and not isinstance(timeout, timedelta):
@@ -186,7 +188,11 @@ class CollectiveWork:
             return True
 
     def _fail(self, error: BaseException) -> None:
-        self._error = error
+        # A copy without traceback: the error's traceback holds this wait's frame (and the
+        # ubatch function's, which holds this handle), so keeping the error itself would
+        # be a reference cycle keeping the failed call's tensors until the garbage
+        # collector runs. Each later wait raises a fresh copy, for the same reason.
+        self._error = _unlinked_copy(error)
         self._release()
 
     def _release(self) -> None:
@@ -199,6 +205,21 @@ class CollectiveWork:
         else:
             state = "waited" if self._done else "in flight"
         return f"CollectiveWork({state}, yields={self._yields})"
+
+
+def _unlinked_copy(error: BaseException) -> BaseException:
+    """`error` again (same type, arguments and notes), without its traceback, cause or
+    context; a RuntimeError naming it if its type cannot be rebuilt from its arguments."""
+    try:
+        copied = copy.copy(error)
+    except Exception:  # noqa: BLE001 - any failure to rebuild: fall back below
+        copied = None
+    if type(copied) is not type(error):
+        copied = RuntimeError(f"the collective failed earlier: {type(error).__name__}: {error}")
+    assert copied is not None
+    copied.__traceback__ = None
+    copied.__cause__ = copied.__context__ = None
+    return copied
 
 
 def _wait_left_over(cell: list[CollectiveWork]) -> None:

@@ -6,6 +6,7 @@ Each test guards a fix of a review finding (see its docstring).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from datetime import timedelta
 from types import SimpleNamespace
@@ -34,7 +35,10 @@ class _FakeWork:
         self.wait_args.append(args)
         outcome = self.outcomes.pop(0) if self.outcomes else True
         if isinstance(outcome, BaseException):
-            raise outcome
+            try:
+                raise outcome
+            finally:  # no cycle through this frame (torch's wait raises from C++)
+                del outcome
         return outcome
 
     def is_completed(self) -> bool:
@@ -71,7 +75,10 @@ def test_a_wait_after_a_failed_wait_raises_the_same_error() -> None:
     for _ in range(2):
         with pytest.raises(RuntimeError) as again:
             handle.wait()
-        assert again.value is failure
+        # The same error again, as a copy that holds no frames (keeping the raised object
+        # would keep the failed call's tensors alive through its traceback).
+        assert str(again.value) == str(failure) and again.value is not failure
+        assert again.value.__traceback__ is not None  # its own, from this raise
     assert len(work.wait_args) == 1  # the failure is remembered, not retried
     assert handle._tensors == ()  # released once failed for good
     assert "failed" in repr(handle)
@@ -247,3 +254,25 @@ def test_only_the_first_wait_may_yield(monkeypatch: pytest.MonkeyPatch) -> None:
         unyielded.wait(timedelta(milliseconds=10), yield_first=False)
     assert unyielded.wait() is True
     assert yields == [1]
+
+
+def test_a_failed_handle_does_not_keep_the_failed_call_alive() -> None:
+    # The error's traceback holds the frames that hold the handle: a handle keeping the
+    # error would be a cycle, and a caller retrying after a failure (out of memory, a
+    # peer lost) would keep the failed call's tensors until the garbage collector ran.
+    import gc
+    import weakref
+
+    def failing_call() -> weakref.ref[torch.Tensor]:
+        activation = torch.zeros(1000)
+        handle = CollectiveWork(_FakeWork(RuntimeError("peer lost")), (activation,), yields=False)
+        with contextlib.suppress(RuntimeError):
+            handle.wait()
+        return weakref.ref(activation)
+
+    gc.disable()
+    try:
+        alive = failing_call()
+        assert alive() is None
+    finally:
+        gc.enable()
