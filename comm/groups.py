@@ -33,10 +33,10 @@ smallest batch), give every rank the same batch size, or run the ubatches with a
 The creation rule: `torch.distributed.new_group` is itself a collective over the world.
 Every rank of the world must call `ubatch_groups(group, n)` the same number of times, in
 the same order relative to its other group creations, outside any overlap (a non-member
-passes `ranks=`, and `key=` to tell apart base groups with the same ranks); it creates
-only the duplicates a group does not have yet, so repeating a call is harmless on members
-and non-members alike. `init_distributed` does it for the default group at start-up.
-Creating groups lazily from one ubatch thread could interleave differently with the
+passes `ranks=`, and `key=` if it may call more than once for one base group); it
+creates only the duplicates a group does not have yet, so repeating a call is harmless
+on members, and on non-members that pass `key=`. `init_distributed` does it for the
+default group at start-up. Creating groups lazily from one ubatch thread could interleave differently with the
 other ubatch's collectives on different ranks, so inside an overlap `ubatch_groups` only
 returns groups that already exist and raises otherwise, and the collectives never create
 groups: without duplicates they fall back to the base group (correct, just serialized).
@@ -121,13 +121,16 @@ class UBatchGroupRegistry:
     ) -> None:
         """The part of the collective group creation a rank outside the base group does.
 
-        Mirrors `get_or_create` on the members: only the duplicates not created yet for
-        this base group, identified by `(ranks, backend, key)` (a non-member has no group
-        object), so that every rank of the world calls `new_group` equally often.
+        With a `key`, it mirrors `get_or_create` on the members: only the duplicates not
+        created yet for the base group identified by `(ranks, backend, key)` (a
+        non-member has no group object), so that every rank of the world calls
+        `new_group` equally often however often it is called. Without one, it creates
+        `num_ubatches` groups at every call: right for one call per base group, however
+        many base groups share these ranks (a count per ranks alone would merge them).
         """
         identity = (tuple(ranks), backend, key)
         with self._lock:
-            created = self._created_as_non_member.get(identity, 0)
+            created = self._created_as_non_member.get(identity, 0) if key is not None else 0
             if created >= num_ubatches:
                 return
             if dbo.enabled():
@@ -211,12 +214,15 @@ def ubatch_groups(
 
     A rank that is not a member of `group` (it got `GroupMember.NON_GROUP_MEMBER` from
     `new_group`) calls it with that value and `ranks=` the group's ranks, and gets `()`.
-    Having no group object, it counts the duplicates it helped create per `(ranks, key)`
-    (and the world's backend), exactly as the members count them per group, so repeated
-    calls stay in step with the members. Several base groups with the same ranks (e.g.
-    two `new_group([0, 1])`) are the same group to a non-member unless each gets its own
-    `key=`: pass a distinct hashable per base group, on every rank (members ignore
-    `ranks=` and `key=`).
+    Having no group object, it cannot tell which base group a call is for, so:
+      - without `key=`, it takes part in creating `num_ubatches` groups at every call:
+        call `ubatch_groups` once per base group (as many base groups with the same
+        ranks as you like); a second call for the same group would make it create
+        groups the members do not, and the next group creation would hang;
+      - with `key=` (a hashable naming the base group, the same on every rank; members
+        ignore `ranks=` and `key=`), it counts the duplicates per `(ranks, key)` as the
+        members count them per group, so calling again, or with a larger
+        `num_ubatches`, stays in step with them.
 
     After this call, `comm`'s collectives on `group` (or on the default group, for
     `group=None`) run ubatch i's collectives on duplicate `i % num_ubatches` inside an
@@ -227,7 +233,7 @@ def ubatch_groups(
         group: the base group; None: the default (world) group.
         num_ubatches: how many duplicates, >= 1 (the ubatch count you overlap with).
         ranks: on a non-member only (required there): the base group's ranks.
-        key: on a non-member only: which base group of those with these `ranks` this is.
+        key: on a non-member: which base group this is, to make repeated calls safe.
     """
     if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
         raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")

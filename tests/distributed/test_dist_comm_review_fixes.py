@@ -27,8 +27,8 @@ def _repeated_ubatch_groups_with_non_members() -> list[Any]:
     second = dist.new_group([0, 2])  # rank 1 is not a member
     made = []
     for group, ranks, counts in ((first, [0, 1], (2, 2)), (second, [0, 2], (1, 2, 1))):
-        for count in counts:  # the same calls on every rank (members ignore ranks=)
-            made.append(len(comm.ubatch_groups(group, count, ranks=ranks)))
+        for count in counts:  # the same calls on every rank (members ignore ranks=, key=)
+            made.append(len(comm.ubatch_groups(group, count, ranks=ranks, key=tuple(ranks))))
             if rank in ranks:
                 for duplicate in comm.ubatch_groups(group, count):
                     value = torch.ones(1)
@@ -52,6 +52,32 @@ def test_a_non_member_repeating_ubatch_groups_stays_in_step_with_the_members() -
     assert values[0] == [2, 2, 1, 2, 1, 3.0]
     assert values[1] == [2, 2, 0, 0, 0, 3.0]
     assert values[2] == [0, 0, 1, 2, 1, 3.0]
+
+
+def _same_ranks_base_groups_one_call_each_without_key() -> list[Any]:
+    import torch.distributed as dist
+
+    start_together()
+    comm.init_distributed(timeout_s=15, num_ubatch_groups=0)
+    tensor_parallel = dist.new_group([0, 1])
+    expert_parallel = dist.new_group([0, 1])  # the same ranks, another group
+    made = [len(comm.ubatch_groups(g, 2, ranks=[0, 1])) for g in (tensor_parallel, expert_parallel)]
+    everyone = dist.new_group([0, 1, 2])
+    value = torch.ones(1)
+    dist.all_reduce(value, group=everyone)
+    return [*made, float(value[0])]
+
+
+@pytest.mark.timeout(150)
+def test_same_rank_base_groups_with_one_call_each_need_no_key() -> None:
+    """Counting a non-member's duplicates per ranks alone made two base groups with the
+    same ranks look like one: the non-member created 2 groups where the members created
+    4, and the next group creation hung. Without key= every call creates its groups."""
+    values = expect_ok(
+        run_world(_same_ranks_base_groups_one_call_each_without_key, 3, timeout_s=90)
+    )
+    assert values[0] == values[1] == [2, 2, 3.0]
+    assert values[2] == [0, 0, 3.0]
 
 
 def _same_ranks_base_groups_told_apart_by_key() -> list[Any]:
