@@ -36,10 +36,11 @@ the same order relative to its other group creations, outside any overlap (a non
 passes `ranks=`, and `key=` if it may call more than once for one base group); it
 creates only the duplicates a group does not have yet, so repeating a call is harmless
 on members, and on non-members that pass `key=`. `init_distributed` does it for the
-default group at start-up. Creating groups lazily from one ubatch thread could interleave differently with the
-other ubatch's collectives on different ranks, so inside an overlap `ubatch_groups` only
-returns groups that already exist and raises otherwise, and the collectives never create
-groups: without duplicates they fall back to the base group (correct, just serialized).
+default group at start-up. Creating groups lazily from one ubatch thread could
+interleave differently with the other ubatch's collectives on different ranks, so
+inside an overlap `ubatch_groups` only returns groups that already exist and raises
+otherwise, and the collectives never create groups: without duplicates they fall back
+to the base group (correct, just serialized).
 """
 
 from __future__ import annotations
