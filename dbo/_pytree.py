@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -105,23 +106,71 @@ def _derived_by_post_init(cls: type) -> frozenset[str] | None:
     (a row count, a scale vector of another length): those are neither split nor merged
     but derived again by the constructor. None: every field is exposed.
 
-    A field counts as derived when the constructor rebuilds `cls` and `__post_init__`'s
-    code names it (`self.n = ...` or `object.__setattr__(self, "n", ...)`); an
-    `init=False` field it does not name is data set after construction, exposed like
+    A field counts as derived when the constructor rebuilds `cls` and the code that
+    `__post_init__` runs names it (`self.n = ...` or `object.__setattr__(self, "n",
+    ...)`): the `__post_init__` of `cls` and of its bases (`super().__post_init__()`),
+    and the methods of the class they call (`self._derive()`), found by name. An
+    `init=False` field none of them names is data set after construction, exposed like
     the others.
     """
     if cls not in _exposed_fields:
         exposed = None
-        post_init = getattr(cls, "__post_init__", None)
-        code = getattr(post_init, "__code__", None)
-        if _constructor_fields(cls) is not None and code is not None:
-            named = set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)}
+        named = _names_in_post_init(cls)
+        if _constructor_fields(cls) is not None and named is not None:
             fields = dataclasses.fields(cls)
             derived = {f.name for f in fields if not f.init and f.name in named}
             if derived:
                 exposed = frozenset(f.name for f in fields if f.name not in derived)
         _exposed_fields[cls] = exposed
     return _exposed_fields[cls]
+
+
+def _names_in_post_init(cls: type) -> set[str] | None:
+    """The attribute names and string constants in the code `__post_init__` runs (see
+    `_derived_by_post_init`), or None when `cls` has no `__post_init__`.
+
+    From the `__post_init__` that `cls` resolves to: a base's `__post_init__` when the
+    code calls `super().__post_init__()`, and the methods of the class it calls by name.
+    """
+    mro = cls.__mro__
+
+    def defined_after(position: int, name: str) -> tuple[types.CodeType, int] | None:
+        for index in range(position, len(mro)):
+            code = _code_of(mro[index].__dict__.get(name))
+            if code is not None:
+                return code, index
+        return None
+
+    start = defined_after(0, "__post_init__")
+    if start is None:
+        return None
+    pending = [start]
+    named: set[str] = set()
+    seen: set[types.CodeType] = set()
+    while pending:
+        code, owner = pending.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        named.update(code.co_names)
+        for constant in code.co_consts:
+            if isinstance(constant, str):
+                named.add(constant)
+            elif isinstance(constant, types.CodeType):  # a nested function, a lambda
+                pending.append((constant, owner))
+        for name in code.co_names:
+            # `super().name(...)` looks after the owner; `self.name(...)` from the top.
+            found = defined_after(owner + 1, name) if "super" in code.co_names else None
+            for candidate in (found, defined_after(0, name)):
+                if candidate is not None:
+                    pending.append(candidate)
+    return named
+
+
+def _code_of(attribute: Any) -> types.CodeType | None:
+    """The code of a function defined in a class body (plain, static or class method)."""
+    function = getattr(attribute, "__func__", attribute)
+    return function.__code__ if isinstance(function, types.FunctionType) else None
 
 
 def _rebuild_dataclass(

@@ -220,3 +220,61 @@ def test_a_tuple_subclass_is_split_and_merged_as_its_own_type() -> None:
     assert first_args[0].note == "kept"  # type: ignore[attr-defined]
     size = torch.Size([3, 2])  # a shape stays a leaf
     assert dbo.default_split((torch.zeros(4), size), {}, 2)[1][0][1] is size
+
+
+def test_fields_derived_in_a_base_or_helper_post_init_are_derived_again_per_ubatch() -> None:
+    import dataclasses
+
+    from dbo import _pytree
+
+    @dataclasses.dataclass
+    class Base:
+        tokens: torch.Tensor
+        num_tokens: int = dataclasses.field(init=False)
+
+        def __post_init__(self) -> None:
+            self.num_tokens = int(self.tokens.shape[0])
+
+    @dataclasses.dataclass
+    class Child(Base):  # derives num_tokens through super()
+        scale: float = 1.0
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+
+    @dataclasses.dataclass
+    class Helper:  # derives it in a method __post_init__ calls
+        tokens: torch.Tensor
+        num_tokens: int = dataclasses.field(init=False)
+
+        def __post_init__(self) -> None:
+            self._count()
+
+        def _count(self) -> None:
+            self.num_tokens = int(self.tokens.shape[0])
+
+    @dataclasses.dataclass
+    class Counts:
+        tokens: torch.Tensor
+        num_seen: int = dataclasses.field(init=False, default=0)
+
+        def __post_init__(self) -> None:
+            self.num_seen = 1
+
+    @dataclasses.dataclass
+    class Overrides(Counts):  # its own __post_init__ does not call the base's
+        def __post_init__(self) -> None:
+            pass
+
+    for cls in (Base, Child, Helper):
+        seen: list[tuple[int, int]] = []
+
+        def fn(batch: object, seen: list[tuple[int, int]] = seen) -> torch.Tensor:
+            seen.append((int(batch.tokens.shape[0]), batch.num_tokens))
+            return batch.tokens * 1
+
+        dbo.overlap(fn, timeout_s=30)(cls(torch.arange(6.0)))
+        assert seen == [(3, 3), (3, 3)], cls.__name__
+    # A field only an overridden (never called) base __post_init__ names stays data.
+    assert _pytree._derived_by_post_init(Overrides) is None  # None: every field exposed
+    assert _pytree._derived_by_post_init(Counts) == frozenset({"tokens"})
