@@ -9,6 +9,7 @@ ubatch) simply sees no context and behaves as outside an overlap.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -35,14 +36,20 @@ class UBatchContext:
 
 class _ThreadState(threading.local):
     context: UBatchContext | None = None
+    registration: int = 0
+    """The number of this thread's current registration (unique in the process); 0
+    while it is not registered."""
 
 
 _state = _ThreadState()
 _count_lock = threading.Lock()
 _num_registered = 0
-_threads: dict[int, UBatchContext] = {}
-"""The registered threads' contexts by `threading.get_ident()`, for questions about
-*another* thread (the workspace asks whether a slot's last user still runs its ubatch)."""
+_threads: dict[int, int] = {}
+"""The registered threads' registration numbers by `threading.get_ident()`, for
+questions about *another* thread (the workspace asks whether a slot's last user still
+runs the registration it asked from). Numbers, not contexts: a holder of one keeps
+nothing of the run alive."""
+_registration_numbers = itertools.count(1)
 
 
 def _after_fork_in_child() -> None:
@@ -55,6 +62,7 @@ def _after_fork_in_child() -> None:
     _count_lock = threading.Lock()
     _num_registered = 1 if _state.context is not None else 0
     _state.context = None
+    _state.registration = 0
     _threads = {}
 
 
@@ -67,9 +75,14 @@ def current_context() -> UBatchContext | None:
     return _state.context
 
 
-def context_of_thread(thread_ident: int) -> UBatchContext | None:
-    """The context the thread `thread_ident` is registered with now, or None."""
-    return _threads.get(thread_ident)
+def current_registration() -> int:
+    """The calling thread's registration number (see `registered`); 0 outside one."""
+    return _state.registration
+
+
+def registration_of_thread(thread_ident: int) -> int:
+    """The registration number of the thread `thread_ident` now; 0 if not registered."""
+    return _threads.get(thread_ident, 0)
 
 
 def num_registered_threads() -> int:
@@ -101,12 +114,15 @@ class registered:  # noqa: N801 - used like the function-style context managers
         _state.context = self._context
         with _count_lock:
             _num_registered += 1
-            _threads[threading.get_ident()] = self._context
+            number = next(_registration_numbers)
+            _threads[threading.get_ident()] = number
+        _state.registration = number
         return self._context
 
     def __exit__(self, *exc_info: object) -> None:
         global _num_registered
         _state.context = None
+        _state.registration = 0
         with _count_lock:
             _num_registered -= 1
             _threads.pop(threading.get_ident(), None)

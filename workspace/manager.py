@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import dbo
-from dbo._context import context_of_thread, current_context
+from dbo._context import current_registration, registration_of_thread
 
 _get_ident = threading.get_ident
 
@@ -271,9 +271,10 @@ class _Slot:
         self.entries: dict[Any, _Entry] = {}
         self.user: int | None = None
         """`threading.get_ident()` of the thread that asked last (see `_take_slot`)."""
-        self.registration: Any = None
-        """That thread's ubatch registration (`UBatchContext`) when it asked; None if it
-        was outside an overlap."""
+        self.registration = 0
+        """That thread's registration number when it asked (`dbo._context`: unique per
+        registration, 0 outside an overlap). A number, so that the slot keeps nothing
+        of a finished run alive."""
 
     @property
     def num_bytes(self) -> int:
@@ -395,8 +396,8 @@ class WorkspaceManager:
             slot = self._slots[ubatch_id]
         except IndexError:
             raise self._no_slot_error(ubatch_id) from None
-        user, registration = _get_ident(), current_context()
-        if slot.user != user or slot.registration is not registration:
+        user, registration = _get_ident(), current_registration()
+        if slot.user != user or slot.registration != registration:
             self._take_slot(slot, ubatch_id, user, registration)
         try:
             entry = slot.entries.get(shapes_and_dtypes)
@@ -420,10 +421,8 @@ class WorkspaceManager:
             entry = self._prepare(slot, shapes_and_dtypes)
         return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
 
-    def _take_slot(
-        self, slot: _Slot, ubatch_id: int, user: int, registration: Any
-    ) -> None:
-        """Make the calling thread (and its registration, None outside an overlap)
+    def _take_slot(self, slot: _Slot, ubatch_id: int, user: int, registration: int) -> None:
+        """Make the calling thread (and its registration number, 0 outside an overlap)
         `slot`'s user, unless the last user is another thread still running the very
         ubatch registration it asked from: then two threads would share the slot's bytes
         (two overlaps at once from two caller threads, a thread outside the overlap
@@ -435,8 +434,8 @@ class WorkspaceManager:
             if (
                 previous is not None
                 and previous != user
-                and previous_registration is not None
-                and context_of_thread(previous) is previous_registration
+                and previous_registration != 0
+                and registration_of_thread(previous) == previous_registration
             ):
                 raise RuntimeError(
                     f"workspace slot {ubatch_id} is in use by another thread, which runs "

@@ -1196,3 +1196,28 @@ def test_a_slot_whose_last_user_moved_on_to_another_overlap_is_free() -> None:
         release.set()
         thread.join(10)
     assert not thread.is_alive() and errors == []
+
+
+def test_a_slot_keeps_nothing_of_a_finished_run_alive() -> None:
+    # The slot remembers its last user's registration as a number: holding the context
+    # would keep the run (its run_state, the MoE order token and the graph behind it).
+    import gc
+    import weakref
+
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    kept: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        manager.get_simultaneous(((2,), torch.float32))
+        state = dbo.run_state()
+        assert state is not None
+        state[f"test.{dbo.current_ubatch_id()}"] = big = torch.zeros(1000)
+        kept.append(weakref.ref(big))
+        return x + 1
+
+    gc.disable()
+    try:
+        dbo.overlap(fn, timeout_s=30)(torch.zeros(4))
+        assert len(kept) == 2 and all(ref() is None for ref in kept)
+    finally:
+        gc.enable()
