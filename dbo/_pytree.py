@@ -13,6 +13,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import dis
 import functools
 import inspect
 import types
@@ -109,7 +110,7 @@ def _derived_by_post_init(cls: type) -> frozenset[str] | None:
     A field counts as derived when the constructor rebuilds `cls` and the code that
     `__post_init__` runs names it (`self.n = ...` or `object.__setattr__(self, "n",
     ...)`): the `__post_init__` of `cls` and of its bases (`super().__post_init__()`),
-    and the methods of the class they call (`self._derive()`), found by name. An
+    and the methods of the class they call on `self` (`self._derive()`). An
     `init=False` field none of them names is data set after construction, exposed like
     the others.
     """
@@ -158,13 +159,42 @@ def _names_in_post_init(cls: type) -> set[str] | None:
                 named.add(constant)
             elif isinstance(constant, types.CodeType):  # a nested function, a lambda
                 pending.append((constant, owner))
-        for name in code.co_names:
-            # `super().name(...)` looks after the owner; `self.name(...)` from the top.
-            found = defined_after(owner + 1, name) if "super" in code.co_names else None
-            for candidate in (found, defined_after(0, name)):
-                if candidate is not None:
-                    pending.append(candidate)
+        for name, on_super in _methods_called_on_self(code):
+            # `super().name(...)` resolves after the owner; `self.name(...)` from the top.
+            candidate = defined_after(owner + 1 if on_super else 0, name)
+            if candidate is not None:
+                pending.append(candidate)
     return named
+
+
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+
+
+def _methods_called_on_self(code: types.CodeType) -> Iterator[tuple[str, bool]]:
+    """(name, through super()) of each `self.name` / `super().name` the code loads,
+    `self` being its first argument; only those can run the class's own methods (a
+    `to()` called on a tensor field is not the class's `to()`). Bytecode that does not
+    match these shapes (another Python's) yields nothing more: then fewer fields count
+    as derived, the rule's cautious side."""
+    self_name = code.co_varnames[0] if code.co_argcount else None
+    previous: Any = None
+    super_called = False
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL" and instruction.argval == "super":
+            super_called = True
+        elif instruction.opname == "LOAD_SUPER_ATTR":  # Python 3.12+: super().name
+            yield str(instruction.argval), True
+        elif instruction.opname in _ATTRIBUTE_LOADS and isinstance(instruction.argval, str):
+            if previous is not None and previous.opname == "CALL" and super_called:
+                yield instruction.argval, True
+                super_called = False
+            elif (
+                previous is not None
+                and previous.opname.startswith("LOAD_FAST")
+                and previous.argval == self_name
+            ):
+                yield instruction.argval, False
+        previous = instruction
 
 
 def _code_of(attribute: Any) -> types.CodeType | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -275,6 +276,24 @@ def test_fields_derived_in_a_base_or_helper_post_init_are_derived_again_per_ubat
 
         dbo.overlap(fn, timeout_s=30)(cls(torch.arange(6.0)))
         assert seen == [(3, 3), (3, 3)], cls.__name__
+    @dataclasses.dataclass
+    class Movable:  # __post_init__ calls a tensor's to(), not the class's own to()
+        tokens: torch.Tensor
+        positions: Any = dataclasses.field(init=False, default=None)
+
+        def __post_init__(self) -> None:
+            self.tokens = self.tokens.to(torch.float32)
+
+        def to(self, device: str) -> None:
+            self.positions = self.positions.to(device)
+
+    batch = Movable(torch.arange(6))
+    batch.positions = torch.arange(6) * 10  # data, filled in after construction
+    seen_positions: list[list[int]] = []
+    dbo.overlap(lambda b: seen_positions.append(b.positions.tolist()) or b.tokens, timeout_s=30)(
+        batch
+    )
+    assert seen_positions == [[0, 10, 20], [30, 40, 50]]
     # A field only an overridden (never called) base __post_init__ names stays data.
     assert _pytree._derived_by_post_init(Overrides) is None  # None: every field exposed
     assert _pytree._derived_by_post_init(Counts) == frozenset({"tokens"})
