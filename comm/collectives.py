@@ -208,17 +208,39 @@ class CollectiveWork:
 
 
 def _unlinked_copy(error: BaseException) -> BaseException:
-    """`error` again (same type, arguments and notes), without its traceback, cause or
-    context; a RuntimeError naming it if its type cannot be rebuilt from its arguments."""
-    try:
-        copied = copy.copy(error)
-    except Exception:  # noqa: BLE001 - any failure to rebuild: fall back below
-        copied = None
-    if type(copied) is not type(error):
-        copied = RuntimeError(f"the collective failed earlier: {type(error).__name__}: {error}")
-    assert copied is not None
-    copied.__traceback__ = None
-    copied.__cause__ = copied.__context__ = None
+    """`error` again (same type, message, attributes and notes), without its traceback,
+    cause or context; a RuntimeError naming it if it cannot be rebuilt.
+
+    Rebuilt the way `copy` does (its `__reduce__`: right for OSError's filename, say),
+    else with `__new__`, skipping a constructor that formats its message (which would
+    then be formatted twice) or takes other parameters than `args`."""
+    kind, message = type(error), str(error)
+    fallback = None
+    for rebuild in (copy.copy, _rebuilt_without_init):
+        try:
+            copied = rebuild(error)
+        except Exception:  # noqa: BLE001 - any failure to rebuild: try the next way
+            continue
+        if type(copied) is kind:
+            if str(copied) == message:
+                fallback = copied
+                break
+            fallback = fallback or copied
+    if fallback is None:
+        fallback = RuntimeError(f"the collective failed earlier: {kind.__name__}: {error}")
+    fallback.__traceback__ = None
+    fallback.__cause__ = fallback.__context__ = None
+    return fallback
+
+
+def _rebuilt_without_init(error: BaseException) -> BaseException:
+    kind = type(error)
+    copied = kind.__new__(kind, *error.args)
+    copied.args = error.args
+    state = dict(getattr(error, "__dict__", {}))
+    if "__notes__" in state:
+        state["__notes__"] = list(state["__notes__"])
+    copied.__dict__.update(state)
     return copied
 
 

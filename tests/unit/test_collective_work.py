@@ -276,3 +276,30 @@ def test_a_failed_handle_does_not_keep_the_failed_call_alive() -> None:
         assert alive() is None
     finally:
         gc.enable()
+
+
+class _PeerLost(RuntimeError):
+    def __init__(self, peer: int) -> None:
+        super().__init__(f"peer {peer} lost")  # formats its message
+
+
+class _TwoArgs(RuntimeError):
+    def __init__(self, first: int, second: int) -> None:
+        super().__init__(f"{first}/{second}")
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [_PeerLost(3), _TwoArgs(1, 2), OSError(2, "no such file", "f"), RuntimeError("plain")],
+)
+def test_a_later_wait_raises_an_equal_error(failure: BaseException) -> None:
+    # Equal: same type (an `except _TwoArgs` still catches it) and the same message
+    # (a constructor that formats it must not format it twice).
+    failure.add_note("from rank 1")
+    handle = CollectiveWork(_FakeWork(failure), (), yields=False)
+    with pytest.raises(type(failure)):
+        handle.wait()
+    with pytest.raises(type(failure)) as again:
+        handle.wait()
+    assert type(again.value) is type(failure) and str(again.value) == str(failure)
+    assert again.value.__notes__ == ["from rank 1"]
