@@ -278,7 +278,7 @@ def _exchange_rows(
     yields, so that the next exchange launched, by whichever ubatch, links to it.
     """
     if not torch.is_grad_enabled():
-        return _plain_exchange(rows, output_splits, input_splits, group), None
+        return _send_rows(rows, output_splits, input_splits, group)[0], None
     state = dbo.run_state()
     tokens: tuple[torch.Tensor, ...] = ()
     if state is not None:
@@ -288,7 +288,7 @@ def _exchange_rows(
     if anchor is not None and anchor.requires_grad and not any(t is anchor for t in tokens):
         tokens = (*tokens, anchor)
     if not (rows.requires_grad or tokens):
-        return _plain_exchange(rows, output_splits, input_splits, group), None
+        return _send_rows(rows, output_splits, input_splits, group)[0], None
     if state is None:
         received, token = _ExchangeRows.apply(
             rows, output_splits, input_splits, group, None, *tokens
@@ -305,17 +305,26 @@ def _exchange_rows(
     return received, token
 
 
-def _plain_exchange(
+def _send_rows(
     rows: torch.Tensor,
     output_splits: tuple[int, ...],
     input_splits: tuple[int, ...],
     group: dist.ProcessGroup,
-) -> torch.Tensor:
+    async_op: bool = False,
+) -> tuple[torch.Tensor, CollectiveWork | None]:
+    """The one row all-to-all (forward, backward and the plain path): `rows` out by
+    `input_splits`, `(received, handle)` in by `output_splits`; the handle is None
+    unless `async_op`."""
     received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-    all_to_all_single(
-        received, rows.contiguous(), list(output_splits), list(input_splits), group=group
+    work = all_to_all_single(
+        received,
+        rows.contiguous(),
+        list(output_splits),
+        list(input_splits),
+        group=group,
+        async_op=async_op,
     )
-    return received
+    return received, work
 
 
 class _ExchangeRows(torch.autograd.Function):
@@ -352,14 +361,8 @@ class _ExchangeRows(torch.autograd.Function):
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         ctx.token_devices = tuple(token.device for token in tokens)
-        received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-        work = all_to_all_single(
-            received,
-            rows.contiguous(),
-            list(output_splits),
-            list(input_splits),
-            group=group,
-            async_op=pending is not None,
+        received, work = _send_rows(
+            rows, output_splits, input_splits, group, async_op=pending is not None
         )
         if pending is not None:
             assert work is not None
@@ -372,14 +375,7 @@ class _ExchangeRows(torch.autograd.Function):
         output_splits, input_splits = ctx.splits
         # Autograd materializes a missing gradient as zeros of the output's shape: a rank
         # whose received rows were not used still sends (zero) gradients.
-        grad_rows = grad_received.new_empty((sum(input_splits), *grad_received.shape[1:]))
-        all_to_all_single(
-            grad_rows,
-            grad_received.contiguous(),
-            list(input_splits),
-            list(output_splits),
-            group=ctx.group,
-        )
+        grad_rows, _ = _send_rows(grad_received, input_splits, output_splits, ctx.group)
         token_grads = tuple(
             torch.zeros(0, dtype=torch.float32, device=device) if needed else None
             for device, needed in zip(ctx.token_devices, ctx.needs_input_grad[5:])
