@@ -71,7 +71,8 @@ class UBatchGroupRegistry:
         self._created_as_non_member: dict[tuple[tuple[int, ...], str, Hashable], int] = {}
         """How many duplicates this rank helped create for a base group it is not a member
         of, per (ranks, backend, key): the member ranks' `_duplicates[base]` count, which a
-        non-member (it has no group object) keeps by what identifies the base group."""
+        non-member (it has no group object) keeps by what identifies the base group; only
+        calls with a `key` are counted."""
         self.timeout_s: float | None = None
 
     def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
@@ -130,8 +131,9 @@ class UBatchGroupRegistry:
         many base groups share these ranks (a count per ranks alone would merge them).
         """
         identity = (tuple(ranks), backend, key)
+        counted = key is not None  # without a key, calls cannot be told apart: no count
         with self._lock:
-            created = self._created_as_non_member.get(identity, 0) if key is not None else 0
+            created = self._created_as_non_member.get(identity, 0) if counted else 0
             if created >= num_ubatches:
                 return
             if dbo.enabled():
@@ -143,7 +145,8 @@ class UBatchGroupRegistry:
                 )
             for index in range(created, num_ubatches):
                 self._new_group(ranks, backend, index)
-                self._created_as_non_member[identity] = index + 1
+                if counted:
+                    self._created_as_non_member[identity] = index + 1
 
     def _new_group(self, ranks: list[int], backend: str, index: int) -> Any:
         # Every rank of the world takes part (use_local_synchronization=False): then the

@@ -130,9 +130,9 @@ def _names_in_post_init(cls: type) -> set[str] | None:
     """The attribute names and string constants in the code `__post_init__` runs (see
     `_derived_by_post_init`), or None when `cls` has no `__post_init__`.
 
-    From the `__post_init__` that `cls` resolves to: a base's `__post_init__` when the
-    code calls `super().__post_init__()`, and the methods of the class it calls by name.
-    """
+    From the `__post_init__` that `cls` resolves to, following what it calls through
+    `super()` (looked up after the class that defines the calling code) and on `self`
+    (looked up from `cls`)."""
     mro = cls.__mro__
 
     def defined_after(position: int, name: str) -> tuple[types.CodeType, int] | None:
