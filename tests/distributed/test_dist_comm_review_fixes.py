@@ -18,6 +18,17 @@ import comm
 pytestmark = pytest.mark.distributed
 
 
+def _all_ranks_still_in_step() -> float:
+    """A group creation and an all-reduce over the whole world of 3: they complete (3.0)
+    only if every rank's group counter still agrees; otherwise the ranks hang."""
+    import torch.distributed as dist
+
+    everyone = dist.new_group([0, 1, 2])
+    value = torch.ones(1)
+    dist.all_reduce(value, group=everyone)
+    return float(value[0])
+
+
 def _repeated_ubatch_groups_with_non_members() -> list[Any]:
     import torch.distributed as dist
 
@@ -34,11 +45,7 @@ def _repeated_ubatch_groups_with_non_members() -> list[Any]:
                     value = torch.ones(1)
                     dist.all_reduce(value, group=duplicate)
                     assert float(value[0]) == 2.0
-    # Every rank's group counter must still agree: any later group creation shows it.
-    everyone = dist.new_group([0, 1, 2])
-    value = torch.ones(1)
-    dist.all_reduce(value, group=everyone)
-    return [*made, float(value[0])]
+    return [*made, _all_ranks_still_in_step()]
 
 
 @pytest.mark.timeout(150)
@@ -62,10 +69,7 @@ def _same_ranks_base_groups_one_call_each_without_key() -> list[Any]:
     tensor_parallel = dist.new_group([0, 1])
     expert_parallel = dist.new_group([0, 1])  # the same ranks, another group
     made = [len(comm.ubatch_groups(g, 2, ranks=[0, 1])) for g in (tensor_parallel, expert_parallel)]
-    everyone = dist.new_group([0, 1, 2])
-    value = torch.ones(1)
-    dist.all_reduce(value, group=everyone)
-    return [*made, float(value[0])]
+    return [*made, _all_ranks_still_in_step()]
 
 
 @pytest.mark.timeout(150)
@@ -93,10 +97,7 @@ def _same_ranks_base_groups_told_apart_by_key() -> list[Any]:
     if rank < 2:
         duplicates = comm.ubatch_groups(tensor_parallel) + comm.ubatch_groups(expert_parallel)
         assert len(set(duplicates)) == 4
-    everyone = dist.new_group([0, 1, 2])
-    value = torch.ones(1)
-    dist.all_reduce(value, group=everyone)
-    return [*made, float(value[0])]
+    return [*made, _all_ranks_still_in_step()]
 
 
 @pytest.mark.timeout(150)

@@ -77,6 +77,10 @@ def _affine_tanh_expert(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return torch.tanh(rows @ weight) * 2 + 1
 
 
+_SKEWED: dict[str, Any] = dict(  # uneven loads: some experts get no rows on some ranks
+    inputs=_skewed_inputs, num_experts=4, hidden=8, expert=_affine_tanh_expert, frozen=()
+)
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "data_dependent_ops": dict(
         inputs=_data_dependent_inputs,
@@ -85,27 +89,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         expert=_tanh_expert,
         frozen=(),
     ),
-    "skip_empty_experts": dict(
-        inputs=_skewed_inputs,
-        num_experts=4,
-        hidden=8,
-        expert=_affine_tanh_expert,
-        frozen=(),
-    ),
-    "no_grad_expert_out": dict(
-        inputs=_skewed_inputs,
-        num_experts=4,
-        hidden=8,
-        expert=_affine_tanh_expert,
-        frozen=(),
-    ),
-    "frozen_experts": dict(  # rank 1's experts are frozen: its expert_out never needs grad
-        inputs=_skewed_inputs,
-        num_experts=4,
-        hidden=8,
-        expert=_affine_tanh_expert,
-        frozen=(2, 3),
-    ),
+    "skip_empty_experts": _SKEWED,
+    "no_grad_expert_out": _SKEWED,
+    # rank 1's experts are frozen: its expert_out never needs grad
+    "frozen_experts": {**_SKEWED, "frozen": (2, 3)},
 }
 
 
