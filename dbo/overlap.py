@@ -15,7 +15,7 @@ import torch
 
 from dbo import _affinity, tracing
 from dbo._context import current_context
-from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout
+from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout, is_ubatch_input
 from dbo.split import (
     UBatchInputs,
     batch_size_of,
@@ -297,12 +297,7 @@ def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
             "return one (args_tuple, kwargs_dict) pair per ubatch"
         )
     for index, part in enumerate(parts):
-        if not (
-            isinstance(part, tuple)
-            and len(part) == 2
-            and isinstance(part[0], tuple)
-            and isinstance(part[1], dict)
-        ):
+        if not is_ubatch_input(part):
             raise TypeError(
                 f"split= returned {_describe_part(part)} as part {index}; each part must be "
                 "an (args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"

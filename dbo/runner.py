@@ -48,6 +48,16 @@ def check_num_ubatches(num_ubatches: Any) -> int:
     return num_ubatches
 
 
+def is_ubatch_input(item: Any) -> bool:
+    """Whether `item` is one ubatch's `(args_tuple, kwargs_dict)` pair."""
+    return (
+        isinstance(item, tuple)
+        and len(item) == 2
+        and isinstance(item[0], tuple)
+        and isinstance(item[1], dict)
+    )
+
+
 def check_timeout(timeout_s: Any) -> float | None:
     """Validate a watchdog timeout: None or seconds > 0 (infinity means None)."""
     if timeout_s is None:
@@ -254,12 +264,7 @@ class UBatchRunner:
                 f"this runner has {self.num_ubatches} ubatches but got {len(inputs)} inputs"
             )
         for index, item in enumerate(inputs):
-            if (
-                not isinstance(item, tuple)
-                or len(item) != 2
-                or not isinstance(item[0], tuple)
-                or not isinstance(item[1], dict)
-            ):
+            if not is_ubatch_input(item):
                 raise TypeError(
                     f"ubatch_inputs[{index}] must be an (args_tuple, kwargs_dict) pair, "
                     f"got {type(item).__name__}"
