@@ -20,9 +20,12 @@ ubatches run these ways:
 Printed per row: c and m (one ubatch's compute and all-to-all per layer, each measured
 alone in this run), step times, speedup over serial, and the hidden fraction
 (T_serial - T) / (T_serial - T_ideal) with T_ideal = max(C, M) + min(c, m), C and M the
-totals over both ubatches. Every mode is timed in interleaved rounds (median of the
-per-round best of two steps, max over the ranks), so the ratios share the conditions;
-each round starts at the next mode, so that no mode always runs right after another.
+totals over both ubatches. Every mode is timed in interleaved rounds (a round's time: the
+best of two steps, each timed from a barrier, of the slowest rank; printed: the median
+over the rounds), so the ratios share the conditions; each round starts at the next
+mode, so that no mode always runs right after another. The paired ratios (DBO's time
+over another mode's in the same round) come with a 95% bootstrap confidence interval of
+their median: where it contains 1 the run cannot tell the two apart ("tie").
 
 The first table measures two all-to-alls in flight at once, on one group or on one
 group each, against one after the other (the question behind `comm.ubatch_groups`).
@@ -52,6 +55,7 @@ import _thread
 import argparse
 import multiprocessing
 import os
+import random
 import statistics
 import sys
 import threading
@@ -96,11 +100,15 @@ def _interleaved(
     rounds: int,
     ratios: tuple[tuple[str, str], ...] = (),
 ) -> dict[str, float]:
-    """Median over `rounds` interleaved rounds of each mode's time, max over ranks (ms).
+    """Each mode's step time over `rounds` interleaved rounds (ms): the median over the
+    rounds of the round's time, which is the slowest rank's (every rank starts a timed
+    step together after a barrier, and a step ends when its last rank does).
 
     For each `(a, b)` in `ratios`, also "a/b": the median over rounds of a's time over
-    b's in the same round (paired, so a slow drift of the machine cancels), and "a/b q1",
-    "a/b q3": the quartiles of those per-round ratios (their spread), max over ranks.
+    b's in the same round (paired, so a slow drift of the machine cancels); "a/b q1",
+    "a/b q3": the quartiles of those per-round ratios (a round's noise); and "a/b lo",
+    "a/b hi": a 95% bootstrap confidence interval of that median (how well the run pins
+    it down: an interval that contains 1 means the run cannot tell a from b).
     """
     samples: dict[str, list[float]] = {name: [] for name in modes}
     names = list(modes)
@@ -109,15 +117,30 @@ def _interleaved(
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(_time_ms(modes[name]))
-    values = [statistics.median(samples[name]) for name in modes]
+    slowest = torch.tensor([samples[name] for name in names], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank gets the same rows
+    per_mode = dict(zip(names, slowest.tolist()))
+    result = {name: statistics.median(per_mode[name]) for name in names}
     for a, b in ratios:
-        per_round = [x / y for x, y in zip(samples[a], samples[b])]
+        per_round = [x / y for x, y in zip(per_mode[a], per_mode[b])]
         quartiles = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
-        names += [f"{a}/{b}", f"{a}/{b} q1", f"{a}/{b} q3"]
-        values += [statistics.median(per_round), quartiles[0], quartiles[2]]
-    reduced = torch.tensor(values)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-    return dict(zip(names, reduced.tolist()))
+        low, high = _median_interval(per_round)
+        result.update({
+            f"{a}/{b}": statistics.median(per_round),
+            f"{a}/{b} q1": quartiles[0], f"{a}/{b} q3": quartiles[2],
+            f"{a}/{b} lo": low, f"{a}/{b} hi": high,
+        })
+    return result
+
+
+def _median_interval(values: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """95% percentile-bootstrap confidence interval of the median of `values`
+    (a fixed seed: the same samples always print the same interval)."""
+    generator = random.Random(0)
+    medians = sorted(
+        statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
 # --------------------------------------------------------------------------- workload
@@ -385,7 +408,8 @@ def _print_report(report: dict[str, Any]) -> None:
     layers = report["layers"]
     print(
         f"2 gloo ranks on loopback, {'one core each' if report['pinned'] else 'not pinned'}, "
-        f"{report['rounds']} interleaved rounds; times in ms (median, max over ranks)\n"
+        f"{report['rounds']} interleaved rounds; times in ms (median over the rounds of the "
+        "slowest rank's time)\n"
     )
     print(f"Two all-to-alls per rank{'':<26}{'first done':>11}{'both done':>11}")
     for label, first, both in report["in_flight"]:
@@ -417,14 +441,20 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{serial / row['dbo, one group']:>13.2f}x{serial / row['pipeline, one group']:>5.2f}x"
         )
     print(
-        "\nSpread of the paired ratios: quartiles of the per-round ratios (a round's "
-        "noise; medians above)"
+        "\nThe paired ratios' spread: q1-q3, quartiles of the per-round ratios (a round's "
+        "noise);\nCI, a 95% bootstrap interval of their median (the run's precision); "
+        "verdict: does DBO's CI vs the pipeline lie below 1, contain it, or lie above"
     )
-    print(f"{'per ubatch':<17}{'DBO/pipe q1-q3':>16}{'DBO/thr q1-q3':>16}")
+    print(
+        f"{'per ubatch':<17}{'DBO/pipe q1-q3':>16}{'CI':>13}{'DBO/thr q1-q3':>16}{'CI':>13}"
+        f"{'DBO vs pipe':>14}"
+    )
     for row in report["rows"]:
         print(
-            f"{row['label']:<17}{row['dbo/pipeline q1']:>9.2f}-{row['dbo/pipeline q3']:.2f}"
-            f"{row['dbo/threads q1']:>10.2f}-{row['dbo/threads q3']:.2f}"
+            f"{row['label']:<17}{_span(row, 'dbo/pipeline', 'q1', 'q3'):>16}"
+            f"{_span(row, 'dbo/pipeline', 'lo', 'hi'):>13}"
+            f"{_span(row, 'dbo/threads', 'q1', 'q3'):>16}"
+            f"{_span(row, 'dbo/threads', 'lo', 'hi'):>13}{_verdict(row, 'dbo/pipeline'):>14}"
         )
     with_greenlets = [row for row in report["rows"] if "greenlets" in row]
     if with_greenlets:
@@ -439,6 +469,20 @@ def _print_report(report: dict[str, Any]) -> None:
                 f"{row['greenlets/pipeline']:10.2f}{row['threads/pipeline']:9.2f}"
                 f"{row['dbo/pipeline']:9.2f}"
             )
+
+
+def _span(row: dict[str, Any], ratio: str, low: str, high: str) -> str:
+    return f"{row[f'{ratio} {low}']:.2f}-{row[f'{ratio} {high}']:.2f}"
+
+
+def _verdict(row: dict[str, Any], ratio: str) -> str:
+    """Whether the run tells the two modes apart: "faster" / "slower" when the 95%
+    interval of the median step-time ratio lies below / above 1, else "tie"."""
+    if row[f"{ratio} hi"] < 1.0:
+        return "faster"
+    if row[f"{ratio} lo"] > 1.0:
+        return "slower"
+    return "tie"
 
 
 def _wait_for_report(queue: Any, processes: list[Any], deadline: float) -> dict[str, Any]:

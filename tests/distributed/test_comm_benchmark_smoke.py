@@ -7,9 +7,12 @@ times anything, so a run that exits 0 also says the modes agree.
 
 from __future__ import annotations
 
+import importlib.util
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,4 +34,33 @@ def test_comm_overlap_benchmark_runs_and_prints_every_column() -> None:
     header = next(line for line in lines if line.startswith("per ubatch"))
     for column in ("DBO", "pipe", "thr", "DBO/pipe", "DBO/thr"):
         assert column in header.split(), column
-    assert any(line.startswith("16 KB, c~1m") for line in lines), completed.stdout
+    rows = [line for line in lines if line.startswith("16 KB, c~1m")]
+    assert len(rows) == 2, completed.stdout  # the step times and the ratios' spread
+    assert rows[1].split()[-1] in ("faster", "tie", "slower"), rows[1]
+
+
+def _benchmark_module() -> Any:
+    spec = importlib.util.spec_from_file_location("comm_overlap_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_median_interval_brackets_the_median_and_narrows_with_more_rounds() -> None:
+    interval = _benchmark_module()._median_interval
+    noisy = [1.0 + 0.1 * ((7 * i) % 11 - 5) / 5 for i in range(11)]  # 0.9 .. 1.1
+    low, high = interval(noisy)
+    assert low <= statistics.median(noisy) <= high
+    assert 0.9 <= low < high <= 1.1
+    wide = high - low
+    low, high = interval(noisy * 9)  # the same spread, 9x the rounds
+    assert high - low < wide
+    assert interval([1.05] * 5) == (1.05, 1.05)
+
+
+def test_the_verdict_says_tie_only_when_the_interval_contains_one() -> None:
+    verdict = _benchmark_module()._verdict
+    assert verdict({"r lo": 0.95, "r hi": 0.99}, "r") == "faster"
+    assert verdict({"r lo": 0.97, "r hi": 1.03}, "r") == "tie"
+    assert verdict({"r lo": 1.01, "r hi": 1.08}, "r") == "slower"
