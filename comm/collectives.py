@@ -64,6 +64,7 @@ from comm._checks import (
 )
 from comm.groups import group_registry
 from dbo import tracing
+from dbo.errors import describe
 
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
@@ -214,7 +215,7 @@ def _unlinked_copy(error: BaseException) -> BaseException:
     Rebuilt the way `copy` does (its `__reduce__`: right for OSError's filename, say),
     else with `__new__`, skipping a constructor that formats its message (which would
     then be formatted twice) or takes other parameters than `args`."""
-    kind, message = type(error), str(error)
+    kind, message = type(error), _message(error)
     fallback = None
     for rebuild in (copy.copy, _rebuilt_without_init):
         try:
@@ -222,15 +223,23 @@ def _unlinked_copy(error: BaseException) -> BaseException:
         except Exception:  # noqa: BLE001 - any failure to rebuild: try the next way
             continue
         if type(copied) is kind:
-            if str(copied) == message:
+            if _message(copied) == message:
                 fallback = copied
                 break
             fallback = fallback or copied
     if fallback is None:
-        fallback = RuntimeError(f"the collective failed earlier: {kind.__name__}: {error}")
+        fallback = RuntimeError(f"the collective failed earlier: {describe(error)}")
     fallback.__traceback__ = None
     fallback.__cause__ = fallback.__context__ = None
     return fallback
+
+
+def _message(error: BaseException) -> str | None:
+    """`str(error)`, or None where the exception's `__str__` fails."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - any failure of its __str__
+        return None
 
 
 def _rebuilt_without_init(error: BaseException) -> BaseException:

@@ -25,6 +25,20 @@ class OverlapTimeoutError(RuntimeError):
         self.ubatch_id = ubatch_id
 
 
+def describe(error: BaseException) -> str:
+    """`"Type: message"` for an abort reason or a log line; never raises.
+
+    An exception's `__str__` may fail (one unpickled without the attributes it formats,
+    one that returns a non-string): a runtime that formats it while unwinding a failed
+    ubatch must not fail in turn, or the other ubatches are never aborted.
+    """
+    name = type(error).__name__
+    try:
+        return f"{name}: {error}"
+    except Exception:  # noqa: BLE001 - any failure of a user's __str__
+        return f"{name} (its str() failed)"
+
+
 def attach_ubatch_id(error: BaseException, ubatch_id: int, num_ubatches: int) -> None:
     """Record on `error` which ubatch raised it: a note, and a `ubatch_id` attribute."""
     note = f"raised in ubatch {ubatch_id} of {num_ubatches} (dbo overlap)"

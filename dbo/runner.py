@@ -20,7 +20,7 @@ from dbo._context import UBatchContext, current_context, registered
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._wakeup import Wakeup
 from dbo.device import DeviceBackend, backend_for
-from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
+from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id, describe
 
 _ABORT_GRACE_S = 0.5
 """After the watchdog fires, how long the caller waits for the other ubatches to unwind."""
@@ -103,7 +103,13 @@ class _Worker:
             self.wake.wait()  # a wake-up without a job (left over from an abort): park again
             job, self._job = self._job, None
             if job is not None:
-                job()
+                try:
+                    job()
+                except BaseException:  # noqa: B036 - see below
+                    # The job hands every failure of `fn` to its caller; one escaping
+                    # here is the runtime's own. The worker must outlive it: a dead
+                    # worker's ubatch would never start, and every later run would hang.
+                    _report_worker_failure(threading.current_thread().name)
                 if self._fork_generation != _fork_generation:
                     _end_forked_child(job.failed)
                 job = None  # a parked worker must not keep the last run's tensors alive
@@ -501,7 +507,7 @@ class _UBatchJob:
                 # several may race here, and any of their failures is a fine report.
                 if run.first_failure is None:
                     run.first_failure = (ubatch_id, error)
-                run.baton.abort(f"ubatch {ubatch_id} raised {type(error).__name__}: {error}")
+                run.baton.abort(f"ubatch {ubatch_id} raised {describe(error)}")
         finally:
             # Drop references before waking the caller: the inputs and fn belong to it,
             # and this frame is on the traceback of an error raised here, so its locals
@@ -541,6 +547,13 @@ def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
             f"{len(streams)} in {_MAX_STREAM_DRAWS} draws); use fewer ubatches"
         )
     return streams
+
+
+def _report_worker_failure(thread_name: str) -> None:
+    """Print the exception being handled, the way Python reports a thread that died
+    (the worker goes on)."""
+    print(f"dbo: unexpected error in worker {thread_name} (it keeps running):", file=sys.stderr)
+    traceback.print_exc()
 
 
 def _end_forked_child(failed: bool) -> None:

@@ -303,3 +303,21 @@ def test_a_later_wait_raises_an_equal_error(failure: BaseException) -> None:
         handle.wait()
     assert type(again.value) is type(failure) and str(again.value) == str(failure)
     assert again.value.__notes__ == ["from rank 1"]
+
+
+class _StrRaises(RuntimeError):
+    def __str__(self) -> str:
+        raise AttributeError("no attribute 'detail'")
+
+
+def test_a_failure_whose_str_fails_is_remembered_and_raised_again() -> None:
+    # Remembering the failure compared messages with str(): an exception whose __str__
+    # fails then raised AttributeError from inside the failed wait instead of itself.
+    failure = _StrRaises()
+    handle = CollectiveWork(_FakeWork(failure), (), yields=False)
+    with pytest.raises(_StrRaises) as first:
+        handle.wait()
+    assert first.value is failure
+    with pytest.raises(_StrRaises) as again:
+        handle.wait()
+    assert again.value is not failure

@@ -593,3 +593,78 @@ def test_a_failed_call_frees_its_inputs_when_the_caller_drops_the_error(
         assert alive() is None
     finally:
         gc.enable()
+
+
+# ------------------------------------------- 9. an exception whose str() fails (review 6)
+class _StrRaises(Exception):
+    def __str__(self) -> str:
+        raise AttributeError("no attribute 'detail'")  # e.g. unpickled without its fields
+
+
+class _StrNotAString(Exception):
+    def __str__(self) -> str:
+        return None  # type: ignore[return-value]  # str() then raises TypeError
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", [_StrRaises, _StrNotAString])
+def test_an_exception_whose_str_fails_aborts_the_others_and_leaves_the_runner_usable(
+    kind: type[Exception],
+) -> None:
+    """Formatting the abort reason called str() on the error: when that raised, the
+    others were not aborted and the worker thread died, so the next call on the pooled
+    runner hung (or, with timeout_s, timed out forever after)."""
+    reached_after_yield: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            raise kind()
+        dbo.yield_()
+        reached_after_yield.append(dbo.current_ubatch_id())
+        return x * 2
+
+    step = dbo.overlap(fn, timeout_s=10.0)
+    x = torch.ones(4, 3)
+    with pytest.raises(kind) as raised:
+        step(x)
+    assert raised.value.ubatch_id == 0  # type: ignore[attr-defined]
+    assert reached_after_yield == []  # ubatch 1 was aborted at its yield
+    workers = [t for t in threading.enumerate() if t.name.startswith("dbo-ubatch")]
+    assert all(t.is_alive() for t in workers)
+    for _ in range(3):  # the same pooled runner, and its workers, again
+        assert torch.equal(dbo.overlap(lambda t: t * 2, timeout_s=10.0)(x), x * 2)
+
+
+def test_the_abort_reason_survives_an_exception_whose_str_fails() -> None:
+    from dbo.errors import describe
+
+    assert describe(ValueError("bad split")) == "ValueError: bad split"
+    assert describe(_StrRaises()).startswith("_StrRaises")
+    assert describe(_StrNotAString()).startswith("_StrNotAString")
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_outlives_an_error_escaping_its_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whatever escapes a job is the runtime's own bug; the worker must report it and
+    keep serving, or its ubatch never starts again and every later run hangs."""
+    original_finish = Baton.finish
+    failures = [RuntimeError("bookkeeping bug")]
+
+    def finish_then_fail(self: Baton, ubatch_id: int) -> None:
+        original_finish(self, ubatch_id)
+        if failures and ubatch_id == 1:
+            raise failures.pop()
+
+    monkeypatch.setattr(Baton, "finish", finish_then_fail)
+    with UBatchRunner(2) as runner:
+        x = torch.ones(4, 3)
+        parts = [((x[:2],), {}), ((x[2:],), {})]
+        for _ in range(3):
+            outputs = runner.run(lambda t: t + 1, parts, timeout_s=10.0)
+            assert [torch.equal(out, part[0][0] + 1) for out, part in zip(outputs, parts)] == [
+                True, True,
+            ]
+    assert failures == []
+    assert "unexpected error in worker" in capsys.readouterr().err
