@@ -194,6 +194,11 @@ def overlap(
     like any argument when it is a container of tensors (a dataclass); an `nn.Module`
     is a leaf. Wrap the bound method instead (`dbo.overlap(obj.method)`).
 
+    Grad mode: `fn` runs under the caller's grad mode. A caller in `no_grad` whose `fn`
+    turns grad on gets what a direct call gives: the split (default or custom) then
+    runs with grad on when an input requires grad, and the default merge keeps the
+    graph of outputs that have one. A custom `merge` runs under the caller's mode.
+
     Args:
         num_ubatches: ubatches per call, an int >= 1.
         split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`.
@@ -241,6 +246,11 @@ def overlap(
         output = target(*args, **kwargs)
         return output if merge is None else merge([output])
 
+    def split_into_parts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if split is None:  # its size check already ran (batch_size_of)
+            return split_parts(args, kwargs, num_ubatches)
+        return _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
+
     def overlapped(*args: Any, **kwargs: Any) -> Any:
         if current_context() is not None or _under_functorch_transform():
             # Nested: no ubatches inside a ubatch. A torch.func transform (grad, vmap)
@@ -259,11 +269,13 @@ def overlap(
             ):
                 name = "dbo.overlap inline"
                 return inline(args, kwargs)
-            # The default split's size check already ran above (batch_size_of).
-            if split is None:
-                parts = split_parts(args, kwargs, num_ubatches)
+            if not torch.is_grad_enabled() and any(leaf.requires_grad for _, leaf in leaves):
+                # A caller in no_grad whose fn turns grad on: the parts must keep their
+                # link to the inputs, as the inputs themselves would in a direct call.
+                with torch.enable_grad():
+                    parts = split_into_parts(args, kwargs)
             else:
-                parts = _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
+                parts = split_into_parts(args, kwargs)
             run_device = resolved_device or next(
                 (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
             )

@@ -133,7 +133,7 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     ):
         # The usual case (fn returns one tensor), without the tree walk; anything the
         # general path would refuse or treat specially goes through it below.
-        return torch.cat(list(outputs), dim=0)
+        return _concatenated(list(outputs), "output")
     flattened = [flatten(output, "output") for output in outputs]
     _, paths, spec = flattened[0]
     for index, (_, _, other_spec) in enumerate(flattened[1:], start=1):
@@ -172,7 +172,7 @@ def default_merge(outputs: Sequence[Any]) -> Any:
                     "object (not rows of its own part); return it outside the overlapped "
                     "function, or pass merge="
                 )
-            merged.append(torch.cat(values, dim=0))
+            merged.append(_concatenated(values, path))
         elif all(_same(first, value) for value in values[1:]):
             merged.append(first)
         else:
@@ -181,6 +181,32 @@ def default_merge(outputs: Sequence[Any]) -> Any:
                 f"non-tensor values {values!r}; pass merge= to combine them"
             )
     return unflatten(spec, merged)
+
+
+def _concatenated(parts: list[torch.Tensor], path: str) -> torch.Tensor:
+    """`torch.cat(parts)` for the merge of leaf `path`.
+
+    The concatenation runs in the caller's thread, under its grad mode: a caller in
+    `no_grad` whose `fn` turned grad on has parts with a graph, and the merged result
+    must keep it, as `fn`'s own output would. A mismatch beyond dim 0 (or of devices)
+    is the ubatches' doing: the error names the leaf and each ubatch's shape.
+    """
+    try:
+        if not torch.is_grad_enabled() and any(part.requires_grad for part in parts):
+            with torch.enable_grad():
+                return torch.cat(parts, dim=0)
+        return torch.cat(parts, dim=0)
+    except RuntimeError as error:
+        shapes = [tuple(part.shape) for part in parts]
+        devices = [str(part.device) for part in parts]
+        if len({shape[1:] for shape in shapes}) == 1 and len(set(devices)) == 1:
+            raise  # not a layout mismatch (out of memory, say): torch's error as it is
+        raise ValueError(
+            f"dbo.overlap cannot merge {path}: the ubatches returned tensors of shapes "
+            f"{', '.join(map(str, shapes))} on {', '.join(devices)}, which do not "
+            "concatenate along dim 0; return the same shape after dim 0 from every "
+            "ubatch, on one device, or pass merge="
+        ) from error
 
 
 def _leaf_kind(value: Any) -> str:

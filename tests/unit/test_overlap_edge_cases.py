@@ -621,3 +621,68 @@ def test_a_malformed_custom_split_result_is_named_in_the_error(
     step = dbo.overlap(lambda x: x, split=lambda args, kwargs, n: returned(args[0]))
     with pytest.raises(error, match=message):
         step(torch.arange(4.0))
+
+
+# ------------------------------------------------------------- merging (review 6)
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_the_merge_keeps_the_graph_fn_built_under_the_callers_no_grad(as_dict: bool) -> None:
+    """A caller in no_grad whose fn turns grad on (a scoring loop that differentiates one
+    head): the ubatch outputs had a graph, but the merge's torch.cat ran under the
+    caller's no_grad and returned a tensor without one."""
+    weight = torch.randn(3, 2, requires_grad=True)
+
+    def fn(x: torch.Tensor) -> Any:
+        with torch.enable_grad():
+            y = x @ weight
+        return {"y": y} if as_dict else y
+
+    x = torch.randn(6, 3)
+    with torch.no_grad():
+        plain = fn(x)
+        overlapped = _overlap(fn)(x)
+    if as_dict:
+        plain, overlapped = plain["y"], overlapped["y"]
+    assert overlapped.requires_grad and plain.requires_grad
+    (expected,) = torch.autograd.grad(plain.sum(), weight)
+    (got,) = torch.autograd.grad(overlapped.sum(), weight)
+    assert torch.allclose(got, expected)
+
+
+def test_a_merge_under_no_grad_stays_without_a_graph() -> None:
+    with torch.no_grad():
+        out = _overlap(lambda x: x * 2)(torch.randn(4, 3, requires_grad=True))
+    assert not out.requires_grad
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_outputs_whose_trailing_shapes_differ_get_an_error_naming_the_leaf(
+    as_dict: bool,
+) -> None:
+    def fn(x: torch.Tensor) -> Any:
+        y = x[:, : dbo.current_ubatch_id() + 1]  # ubatch 0: 1 column, ubatch 1: 2
+        return {"aux": {"cache": [x, y]}} if as_dict else y
+
+    path = "output['aux']['cache'][1]" if as_dict else "output"
+    with pytest.raises(ValueError) as raised:
+        _overlap(fn)(torch.randn(4, 3))
+    message = str(raised.value)
+    assert f"cannot merge {path}" in message and "merge=" in message
+    assert "(2, 1)" in message and "(2, 2)" in message  # each ubatch's shape
+
+
+def test_the_split_keeps_the_inputs_graph_under_the_callers_no_grad() -> None:
+    """The same caller: the split ran under its no_grad, so the parts lost their link to
+    an input that requires grad and its gradient was silently missing."""
+    weight = torch.randn(3, 2)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return x @ weight
+
+    x = torch.randn(6, 3, requires_grad=True)
+    with torch.no_grad():
+        plain = fn(x)
+        overlapped = _overlap(fn)(x)
+    (expected,) = torch.autograd.grad(plain.sum(), x)
+    (got,) = torch.autograd.grad(overlapped.sum(), x)
+    assert torch.allclose(got, expected)
