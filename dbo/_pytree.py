@@ -131,25 +131,27 @@ def _names_in_post_init(cls: type) -> set[str] | None:
     `_derived_by_post_init`), or None when `cls` has no `__post_init__`.
 
     From the `__post_init__` that `cls` resolves to, following what it calls through
-    `super()` (looked up after the class that defines the calling code) and on `self`
-    (looked up from `cls`)."""
+    `super()` (looked up after the class that defines the calling code), on `self`
+    (looked up from `cls`), and the plain functions of the calling code's own module
+    that it names (a module-level `_derive(self)` helper)."""
     mro = cls.__mro__
 
-    def defined_after(position: int, name: str) -> tuple[types.CodeType, int] | None:
+    def defined_after(position: int, name: str) -> tuple[types.FunctionType, int] | None:
         for index in range(position, len(mro)):
-            code = _code_of(mro[index].__dict__.get(name))
-            if code is not None:
-                return code, index
+            function = _function_of(mro[index].__dict__.get(name))
+            if function is not None:
+                return function, index
         return None
 
     start = defined_after(0, "__post_init__")
     if start is None:
         return None
-    pending = [start]
+    first, owner = start
+    pending = [(first.__code__, owner, first.__globals__)]
     named: set[str] = set()
     seen: set[types.CodeType] = set()
     while pending:
-        code, owner = pending.pop()
+        code, owner, module_globals = pending.pop()
         if code in seen:
             continue
         seen.add(code)
@@ -158,13 +160,25 @@ def _names_in_post_init(cls: type) -> set[str] | None:
             if isinstance(constant, str):
                 named.add(constant)
             elif isinstance(constant, types.CodeType):  # a nested function, a lambda
-                pending.append((constant, owner))
+                pending.append((constant, owner, module_globals))
         for name, on_super in _methods_called_on_self(code):
             # `super().name(...)` resolves after the owner; `self.name(...)` from the top.
             candidate = defined_after(owner + 1 if on_super else 0, name)
             if candidate is not None:
-                pending.append(candidate)
+                function, index = candidate
+                pending.append((function.__code__, index, function.__globals__))
+        for name in _globals_loaded(code):
+            helper = module_globals.get(name)
+            if isinstance(helper, types.FunctionType) and helper.__globals__ is module_globals:
+                pending.append((helper.__code__, owner, module_globals))
     return named
+
+
+def _globals_loaded(code: types.CodeType) -> Iterator[str]:
+    """The global names `code` loads (candidates for module-level helper functions)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL" and isinstance(instruction.argval, str):
+            yield instruction.argval
 
 
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
@@ -197,10 +211,10 @@ def _methods_called_on_self(code: types.CodeType) -> Iterator[tuple[str, bool]]:
         previous = instruction
 
 
-def _code_of(attribute: Any) -> types.CodeType | None:
-    """The code of a function defined in a class body (plain, static or class method)."""
+def _function_of(attribute: Any) -> types.FunctionType | None:
+    """The function of a plain, static or class method defined in a class body."""
     function = getattr(attribute, "__func__", attribute)
-    return function.__code__ if isinstance(function, types.FunctionType) else None
+    return function if isinstance(function, types.FunctionType) else None
 
 
 def _rebuild_dataclass(

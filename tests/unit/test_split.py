@@ -297,3 +297,34 @@ def test_fields_derived_in_a_base_or_helper_post_init_are_derived_again_per_ubat
     # A field only an overridden (never called) base __post_init__ names stays data.
     assert _pytree._derived_by_post_init(Overrides) is None  # None: every field exposed
     assert _pytree._derived_by_post_init(Counts) == frozenset({"tokens"})
+
+
+def _count_rows(batch: Any) -> None:
+    """A module-level helper that a dataclass's __post_init__ derives a field with."""
+    batch.num_rows = int(batch.x.shape[0])
+
+
+def test_a_field_derived_by_a_module_level_helper_is_derived_again_both_ways() -> None:
+    """Only code run on self or super() was followed: a field set by `_count_rows(self)`
+    was taken for data, so each ubatch saw the whole batch's count, and the merged output
+    kept one ubatch's (found in review)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Rows:
+        x: torch.Tensor
+        num_rows: int = dataclasses.field(init=False)
+
+        def __post_init__(self) -> None:
+            _count_rows(self)
+
+    seen: list[tuple[int, int]] = []
+
+    def fn(batch: Rows) -> torch.Tensor:
+        seen.append((int(batch.x.shape[0]), batch.num_rows))
+        return batch.x * 2
+
+    dbo.overlap(fn, timeout_s=30)(Rows(torch.ones(6, 2)))
+    assert seen == [(3, 3), (3, 3)]
+    merged = dbo.overlap(lambda x: Rows(x * 2), timeout_s=30)(torch.ones(6, 2))
+    assert merged.num_rows == 6
