@@ -128,7 +128,9 @@ class UBatchRunner:
 
     The workers start with the runner and live until `close()`, until the runner is
     garbage-collected, or until interpreter exit (they are daemon threads). One run at a
-    time: concurrent `run` calls from several threads are serialized. Use as a context
+    time: concurrent `run` calls from several threads are serialized, so a thread that
+    a ubatch starts and waits for must not call `run` on the same runner (it would wait
+    for the run that waits for it; `dbo.overlap` leases another runner). Use as a context
     manager to close it.
     """
 
