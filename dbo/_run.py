@@ -13,6 +13,7 @@ from typing import Any
 
 from dbo.baton import Baton
 from dbo.device import DeviceBackend
+from dbo.errors import add_note
 
 
 @dataclass
@@ -145,8 +146,14 @@ class OverlapRun:
             return False
         self._hooks_for[ubatch_id] = []
         running = ubatch_id if running is None else running
-        for _, hook in pending:
-            hook()
+        for owner, hook in pending:
+            try:
+                hook()
+            except BaseException as error:  # noqa: B036 - re-raised, with where it came from
+                # The error surfaces in the thread that ran the hook; its author looks
+                # for the ubatch that registered it.
+                add_note(error, f"in a recv hook registered by ubatch {owner}")
+                raise
         owners = sorted({owner for owner, _ in pending if owner != running})
         if owners:
             done = self.backend.record_event(self.backend.current_stream())
@@ -154,3 +161,4 @@ class OverlapRun:
                 self.backend.wait_event(self.streams[owner].compute, done)
                 self.backend.wait_event(self.streams[owner].comm, done)
         return True
+

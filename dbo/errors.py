@@ -39,15 +39,21 @@ def describe(error: BaseException) -> str:
         return f"{name} (its str() failed)"
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """Add `note` to `error` (shown under its traceback) unless it already has it: the
+    same exception object raised again by a later call keeps one copy."""
+    if note in getattr(error, "__notes__", ()):
+        return
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: the attribute that add_note fills in
+        with contextlib.suppress(AttributeError, TypeError):
+            error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
 def attach_ubatch_id(error: BaseException, ubatch_id: int, num_ubatches: int) -> None:
     """Record on `error` which ubatch raised it: a note, and a `ubatch_id` attribute."""
-    note = f"raised in ubatch {ubatch_id} of {num_ubatches} (dbo overlap)"
-    if note in getattr(error, "__notes__", ()):
-        pass  # the same exception object raised again by a later call: one note is enough
-    elif hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10: same attribute that add_note fills in
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+    add_note(error, f"raised in ubatch {ubatch_id} of {num_ubatches} (dbo overlap)")
     # Exception types without a __dict__ keep only the note.
     with contextlib.suppress(AttributeError, TypeError):
         error.ubatch_id = ubatch_id  # type: ignore[attr-defined]

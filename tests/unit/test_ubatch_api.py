@@ -279,3 +279,23 @@ def test_a_hook_run_by_its_own_ubatch_needs_no_event() -> None:
     run.register_recv_hook(0, lambda: None)  # for ubatch 1, which has already finished
     assert run.maybe_run_recv_hook(1, running=0)
     assert events == []
+
+
+def test_a_failing_recv_hook_names_the_ubatch_that_registered_it() -> None:
+    # The error surfaces in the ubatch that ran the hook (the next one in the ring);
+    # without a note its author would look in the wrong ubatch's code.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            def hook() -> None:
+                raise RuntimeError("receive failed")
+
+            dbo.register_recv_hook(hook)
+        dbo.yield_()
+        dbo.maybe_run_recv_hook()
+        return x
+
+    with pytest.raises(RuntimeError, match="receive failed") as raised:
+        dbo.overlap(fn, timeout_s=30)(torch.ones(4, 2))
+    notes = raised.value.__notes__
+    assert "in a recv hook registered by ubatch 0" in notes
+    assert "raised in ubatch 1 of 2 (dbo overlap)" in notes
