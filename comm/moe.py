@@ -345,7 +345,9 @@ class _ExchangeRows(torch.autograd.Function):
 
     The backward runs where autograd runs it (usually outside any overlap: a plain
     blocking all-to-all); every rank must run its backward, in the same order, as for any
-    collective in a distributed backward pass.
+    collective in a distributed backward pass. First order only: a backward with
+    `create_graph=True` raises (before its exchange, on every rank) rather than return a
+    gradient that silently lacks the exchange's part of the second order.
     """
 
     @staticmethod
@@ -372,6 +374,17 @@ class _ExchangeRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_received: torch.Tensor, grad_token: Any) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():
+            # create_graph=True: the exchange below would record no graph, so a gradient
+            # of this gradient would silently miss every path through the exchange
+            # (torch's once_differentiable does not help: autograd.grad(inputs=...) prunes
+            # its error node). Every rank runs the same backward call, so every rank
+            # raises here, before the collective: none is left waiting.
+            raise RuntimeError(
+                "comm.moe.dispatch/combine support first-order gradients only: a backward "
+                "with create_graph=True (a gradient penalty, double backward) through "
+                "them is not supported"
+            )
         output_splits, input_splits = ctx.splits
         # Autograd materializes a missing gradient as zeros of the output's shape: a rank
         # whose received rows were not used still sends (zero) gradients.

@@ -96,3 +96,20 @@ def test_dispatch_handle_carries_an_order_token_only_when_grad_flows(world_of_on
     assert y.requires_grad
     (grad,) = torch.autograd.grad(y.sum(), [x])
     assert torch.equal(grad, torch.zeros_like(x))
+
+
+def test_a_backward_with_create_graph_raises_instead_of_a_wrong_second_order(
+    world_of_one: None,
+) -> None:
+    # The exchange's backward records no graph; a gradient of the gradient would lack
+    # every path through it (here 2 of the true 2 + 6x) and still look plausible.
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0], [1], [0], [1]])
+    gates = torch.ones(4, 1, dtype=torch.float64)
+    recv, _, handle = comm.moe.dispatch(x, ids, 2)
+    y = comm.moe.combine(recv.pow(2), handle, gates) + x.pow(3)
+    with pytest.raises(RuntimeError, match="first-order gradients only"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+    # The first-order backward of the same graph still works.
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    assert torch.allclose(grad, 2 * x.detach() + 3 * x.detach().pow(2))
