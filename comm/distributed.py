@@ -134,9 +134,10 @@ def init_distributed(
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
     elif _state.device is None:
-        # A world initialized elsewhere: adopt it, but give the per-ubatch duplicates
-        # (which carry every collective made inside an overlap) this call's timeout, and
-        # make the device current as a fresh initialization would.
+        # A world initialized elsewhere: adopt it, and make the device current as a fresh
+        # initialization would. The per-ubatch duplicates (which carry every collective
+        # made inside an overlap) get the world's own timeout; this call's is the
+        # fallback where that cannot be read (comm.groups).
         _state.device = _resolve_device(
             device, str(dist.get_backend()), int(os.environ.get("LOCAL_RANK", "0"))
         )

@@ -60,8 +60,9 @@ from comm._checks import resolve_group
 class UBatchGroupRegistry:
     """The duplicate groups created so far, per base group (one per process).
 
-    `timeout_s` is the timeout new duplicates get (set by `init_distributed`; None: the
-    torch.distributed default).
+    A duplicate gets its base group's timeout, so that a collective times out inside an
+    overlap when the same call outside would; `timeout_s` (set by `init_distributed`;
+    None: the torch.distributed default) is for when the base's cannot be read.
     """
 
     def __init__(self) -> None:
@@ -107,8 +108,9 @@ class UBatchGroupRegistry:
                     )
                 ranks = dist.get_process_group_ranks(base)
                 backend = str(dist.get_backend(base))
+                timeout = _timeout_of(base)
                 for index in range(len(existing), num_ubatches):
-                    duplicate = self._new_group(ranks, backend, index)
+                    duplicate = self._new_group(ranks, backend, index, timeout)
                     assert isinstance(duplicate, dist.ProcessGroup), (
                         "a member rank gets a group back from new_group"
                     )
@@ -148,16 +150,20 @@ class UBatchGroupRegistry:
                 if counted:
                     self._created_as_non_member[identity] = index + 1
 
-    def _new_group(self, ranks: list[int], backend: str, index: int) -> Any:
+    def _new_group(
+        self, ranks: list[int], backend: str, index: int, timeout: timedelta | None = None
+    ) -> Any:
         # Every rank of the world takes part (use_local_synchronization=False): then the
         # group's name comes from a counter that every rank advances alike. With local
         # synchronization the name hashes the number of groups *this* rank belongs to,
         # which differs between ranks with different group histories: they would
         # rendezvous under different names and wait until the timeout.
+        if timeout is None and self.timeout_s is not None:
+            timeout = timedelta(seconds=self.timeout_s)
         return dist.new_group(
             ranks=ranks,
             backend=backend,
-            timeout=None if self.timeout_s is None else timedelta(seconds=self.timeout_s),
+            timeout=timeout,
             use_local_synchronization=False,
             group_desc=f"dbo_ubatch{index}",
         )
@@ -170,6 +176,22 @@ class UBatchGroupRegistry:
             self._is_duplicate.clear()
             self._created_as_non_member.clear()
             return duplicates
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    """`group`'s own collective timeout, or None where this torch does not expose it.
+
+    Read from the backend's options (gloo and NCCL keep it there); private API, hence
+    the guard: None makes the caller fall back to the registry's timeout.
+    """
+    for device_type in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(device_type).options._timeout
+        except (AttributeError, RuntimeError, TypeError):
+            continue
+        if isinstance(timeout, timedelta) and timeout > timedelta(0):
+            return timeout
+    return None
 
 
 def connect_now(group: dist.ProcessGroup) -> None:

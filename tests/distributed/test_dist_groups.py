@@ -82,6 +82,37 @@ def test_adopted_world_duplicate_groups_use_the_given_timeout() -> None:
         assert all(timeout == timedelta(seconds=20) for timeout in seen), seen
 
 
+def _subgroup_duplicates_record_timeouts() -> list[Any]:
+    import torch.distributed as dist
+
+    start_together()
+    comm.init_distributed(timeout_s=30)
+    shared = dist.new_group([0, 1], timeout=timedelta(seconds=7))
+    seen: list[Any] = []
+    original = dist.new_group
+
+    def recording_new_group(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("timeout"))
+        return original(*args, **kwargs)
+
+    dist.new_group = recording_new_group
+    try:
+        comm.ubatch_groups(shared, 2)
+    finally:
+        dist.new_group = original
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_duplicates_of_a_subgroup_get_the_subgroups_timeout() -> None:
+    """comm/groups.py _new_group gave every duplicate the registry's one timeout (that of
+    init_distributed): a subgroup made with a short timeout got duplicates that waited
+    for the long one inside an overlap, where a diverged peer should raise soonest."""
+    values = expect_ok(run_world(_subgroup_duplicates_record_timeouts, 2, timeout_s=60))
+    for seen in values:
+        assert seen == [timedelta(seconds=7)] * 2, seen
+
+
 def _duplicates_with_a_non_member() -> list[int]:
     import torch.distributed as dist
 
