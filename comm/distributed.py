@@ -12,6 +12,7 @@ group (see `comm.groups`). Nothing happens at import.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -67,6 +68,25 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
+def _ranks_from_env(single: bool) -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK), checked against each other. A single process takes
+    (0, 1, 0) for what its environment leaves out (it may still say WORLD_SIZE=1)."""
+    defaults = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    rank, world_size, local_rank = (
+        _env_int(name) if name in os.environ or not single else default
+        for name, default in defaults
+    )
+    if world_size < 1:
+        raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"environment variable RANK must be in [0, WORLD_SIZE={world_size}), got {rank}"
+        )
+    if local_rank < 0:
+        raise ValueError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
+    return rank, world_size, local_rank
+
+
 def _resolve_device(
     device: torch.device | str | int | None, backend: str | None, local_rank: int
 ) -> torch.device:
@@ -109,8 +129,9 @@ def init_distributed(
     the first call here, which must then be made on every rank).
 
     Raises `TorchrunEnvironmentError` (a RuntimeError) showing the torchrun command when
-    the environment is missing, ValueError for contradictory arguments, RuntimeError
-    when called inside an overlap.
+    the environment is missing or partial, ValueError for contradictory arguments or
+    environment values (RANK outside [0, WORLD_SIZE), ...), RuntimeError when called
+    inside an overlap.
     """
     if dbo.enabled():
         raise RuntimeError(
@@ -121,8 +142,8 @@ def init_distributed(
         raise TypeError(f"backend must be a string such as 'nccl' or 'gloo', got {backend!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
     if isinstance(num_ubatch_groups, bool) or not isinstance(num_ubatch_groups, int):
         raise TypeError(f"num_ubatch_groups must be an int >= 0, got {num_ubatch_groups!r}")
     if num_ubatch_groups < 0:
@@ -161,16 +182,15 @@ def _init_process_group(
 ) -> None:
     missing = [name for name in TORCHRUN_ENV_VARS if name not in os.environ]
     present = [name for name in TORCHRUN_ENV_VARS if name in os.environ]
-    # A single rank only when no torchrun variable is set (or the world has one rank): a
-    # partial environment (RANK=1, WORLD_SIZE=2, no MASTER_ADDR) is a launch mistake, and
-    # running it as rank 0 of 1 would silently compute the wrong thing.
-    partial = bool(missing) and bool(present) and os.environ.get("WORLD_SIZE", "1") != "1"
+    # A single rank only when no torchrun variable is set (or WORLD_SIZE=1 says so): a
+    # partial environment (RANK=1 without WORLD_SIZE; WORLD_SIZE=2 without MASTER_ADDR) is
+    # a launch mistake, and running it as rank 0 of 1 would silently compute the wrong
+    # thing.
+    partial = bool(missing) and bool(present) and os.environ.get("WORLD_SIZE") != "1"
     if missing and (partial or not allow_single_process):
         raise TorchrunEnvironmentError(_torchrun_hint(missing))
     single = bool(missing)
-    rank = 0 if single else _env_int("RANK")
-    world_size = 1 if single else _env_int("WORLD_SIZE")
-    local_rank = 0 if single else _env_int("LOCAL_RANK")
+    rank, world_size, local_rank = _ranks_from_env(single)
     resolved = _resolve_device(device, backend, local_rank)
     if backend is None:
         backend = "nccl" if resolved.type == "cuda" else "gloo"

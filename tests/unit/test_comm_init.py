@@ -50,7 +50,7 @@ def test_single_process_world_and_idempotence(no_torchrun_env: None) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "text"),
     [
-        ({"timeout_s": 0}, ValueError, "timeout_s must be > 0"),
+        ({"timeout_s": 0}, ValueError, "timeout_s must be a finite number > 0"),
         ({"timeout_s": "10"}, TypeError, "timeout_s"),
         ({"backend": 3}, TypeError, "backend"),
         ({"backend": "nccl", "device": "cpu"}, ValueError, "needs a CUDA device"),
@@ -107,3 +107,47 @@ def test_ubatch_groups_are_created_outside_and_only_looked_up_inside(
     assert len(comm.ubatch_groups(None, 2)) == 2
     comm.destroy_distributed()
     assert group_registry().clear() == [], "destroy_distributed forgets the duplicates"
+
+
+@pytest.mark.parametrize(
+    ("env", "error", "text"),
+    [
+        # RANK etc. without WORLD_SIZE is a launch mistake, not a world of one.
+        ({"RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+         comm.TorchrunEnvironmentError, "missing: WORLD_SIZE"),
+        ({"WORLD_SIZE": "2"}, comm.TorchrunEnvironmentError, "missing: RANK"),
+        ({"WORLD_SIZE": "1", "RANK": "1"}, ValueError, r"RANK must be in \[0, WORLD_SIZE=1\)"),
+        ({"WORLD_SIZE": "1", "LOCAL_RANK": "-1"}, ValueError, "LOCAL_RANK must be >= 0"),
+        ({"WORLD_SIZE": "0"}, comm.TorchrunEnvironmentError, "missing"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+          "MASTER_PORT": "1"}, ValueError, r"RANK must be in \[0, WORLD_SIZE=2\)"),
+        ({"WORLD_SIZE": "0", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+          "MASTER_PORT": "1"}, ValueError, "WORLD_SIZE must be >= 1"),
+    ],
+)
+def test_a_partial_or_inconsistent_environment_is_refused(
+    no_torchrun_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    error: type,
+    text: str,
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(error, match=text):
+        comm.init_distributed(allow_single_process=True, timeout_s=5)
+    assert not dist.is_initialized()
+
+
+def test_world_size_one_alone_runs_as_a_single_process(
+    no_torchrun_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert comm.init_distributed(allow_single_process=True)[:2] == (0, 1)
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), -1.0])
+def test_timeout_must_be_finite_and_positive(no_torchrun_env: None, timeout_s: float) -> None:
+    with pytest.raises(ValueError, match="finite number > 0"):
+        comm.init_distributed(allow_single_process=True, timeout_s=timeout_s)
+    assert not dist.is_initialized()
