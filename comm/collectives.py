@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from comm import _launch
+from comm import _abandoned, _launch
 from comm._checks import (
     backend_is_nccl,
     check_split_sizes,
@@ -164,6 +164,7 @@ class CollectiveWork:
             try:
                 dbo.yield_()
             except BaseException as error:
+                _abandoned.abandon(self._work)  # aborted: settled before the process ends
                 self._fail(error)
                 raise
         try:
@@ -322,7 +323,11 @@ def _run(
             handle._exit_cell = [handle]
             dbo.at_ubatch_exit(functools.partial(_wait_left_over, handle._exit_cell))
             return handle
-        dbo.yield_()  # the other ubatches run while this transfer is in flight
+        try:
+            dbo.yield_()  # the other ubatches run while this transfer is in flight
+        except BaseException:
+            _abandoned.abandon(work)  # aborted: settled before the process ends
+            raise
         _blocking(work.wait, name, ubatch_id)
         return None
     finally:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
+from comm import _abandoned
 from comm.groups import destroy_ubatch_groups, group_registry, ubatch_groups
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -226,6 +227,7 @@ def destroy_distributed() -> None:
     """
     if dbo.enabled():
         raise RuntimeError("comm.destroy_distributed() was called inside dbo.overlap")
+    _abandoned.settle()  # collectives an aborted ubatch left in flight end first
     destroy_ubatch_groups()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
