@@ -132,9 +132,11 @@ def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
     connected: list[object] = []
     create = groups.UBatchGroupRegistry._new_group
 
-    def new_gloo_group(self: object, ranks: list[int], backend: str, index: int) -> object:
+    def new_gloo_group(
+        self: object, ranks: list[int], backend: str, index: int, timeout: object = None
+    ) -> object:
         assert backend == "nccl"
-        return create(self, ranks, "gloo", index)  # type: ignore[arg-type]
+        return create(self, ranks, "gloo", index, timeout)  # type: ignore[arg-type]
 
     monkeypatch.setattr(groups.UBatchGroupRegistry, "_new_group", new_gloo_group)
     monkeypatch.setattr(groups.dist, "get_backend", lambda group=None: "nccl")
