@@ -55,6 +55,13 @@ def _adopted_world_duplicates_get_the_timeout() -> list[Any]:
 
     start_together()
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))  # env:// from _spawn
+    return _new_group_timeouts(lambda: comm.init_distributed(timeout_s=20))
+
+
+def _new_group_timeouts(call: Any) -> list[Any]:
+    """The `timeout` of each `dist.new_group` that `call()` makes."""
+    import torch.distributed as dist
+
     seen: list[Any] = []
     original = dist.new_group
 
@@ -64,7 +71,7 @@ def _adopted_world_duplicates_get_the_timeout() -> list[Any]:
 
     dist.new_group = recording_new_group
     try:
-        comm.init_distributed(timeout_s=20)
+        call()
     finally:
         dist.new_group = original
     return seen
@@ -88,19 +95,7 @@ def _subgroup_duplicates_record_timeouts() -> list[Any]:
     start_together()
     comm.init_distributed(timeout_s=30)
     shared = dist.new_group([0, 1], timeout=timedelta(seconds=7))
-    seen: list[Any] = []
-    original = dist.new_group
-
-    def recording_new_group(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("timeout"))
-        return original(*args, **kwargs)
-
-    dist.new_group = recording_new_group
-    try:
-        comm.ubatch_groups(shared, 2)
-    finally:
-        dist.new_group = original
-    return seen
+    return _new_group_timeouts(lambda: comm.ubatch_groups(shared, 2))
 
 
 @pytest.mark.timeout(120)
