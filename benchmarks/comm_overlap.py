@@ -46,7 +46,13 @@ side in one process (150 paired rounds at 256 KB), what remains is ~3% for one O
 thread per ubatch plus the runner and ~2% for `comm`'s wrapper. `--greenlets` runs the
 schedule without OS threads; in the third session it matched the pipeline within the
 noise. Results vary by +-5-10% from run to run on this shared VM; compare columns
-within one run.
+within one run. In the sixth session (three runs, with the confidence intervals) the
+pipeline was ahead by 2-10%, "slower" in 8 of the 12 rows and a tie in the other 4
+(c ~ 2m everywhere); the bare threads were 1-5% ahead of DBO and the greenlets matched
+the pipeline (0.97-1.04). Process CPU time per step (ad hoc, 256 KB) was 1.4 ms (4%)
+more for DBO than for the bare threads with the same number of context switches: the
+gap is host work (dbo + comm, ~45 us per ubatch-layer on this saturated core, several
+times their cost measured in a tight loop), not waiting.
 """
 
 from __future__ import annotations
