@@ -59,6 +59,10 @@ class Baton:
         self.holder_since = time.perf_counter()
         """When `holder` got the baton (perf_counter seconds): the watchdog's clock."""
         self.num_handoffs = 0
+        self._turn_start = [0.0] * num_ubatches
+        """When each ubatch's thread last woke holding the baton (only kept while a
+        `dbo.trace()` records): a traced turn starts there, not at the handoff, so the
+        successor's wake-up latency is a gap between turns, not host work."""
 
     # ------------------------------------------------------------------ caller side
     def start(self) -> None:
@@ -135,7 +139,7 @@ class Baton:
             now = time.perf_counter()
             recording = tracing._active
             if recording is not None:
-                recording.add("baton", ubatch_id, self.holder_since, now)
+                recording.add("baton", ubatch_id, self._turn_start[ubatch_id], now)
             self.holder = successor
             self.holder_since = now
             self.num_handoffs += 1
@@ -159,7 +163,7 @@ class Baton:
             recording = tracing._active
             held = self.holder == ubatch_id
             if recording is not None and held:
-                recording.add("baton", ubatch_id, self.holder_since, time.perf_counter())
+                recording.add("baton", ubatch_id, self._turn_start[ubatch_id], time.perf_counter())
             self._live[ubatch_id] = False
             self._num_live -= 1
             last = self._num_live == 0
@@ -188,6 +192,8 @@ class Baton:
         wake = self._wake[ubatch_id]
         while self.holder != ubatch_id and not self._forced:
             wake.wait()
+        if tracing._active is not None:
+            self._turn_start[ubatch_id] = time.perf_counter()
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
 

@@ -8,15 +8,17 @@ its thread sat blocked waiting for a collective.
     timeline.save("dbo_trace.json")       # open in https://ui.perfetto.dev or chrome://tracing
 
 What is recorded (host clocks, `time.perf_counter`):
-  - "baton": a span per turn, from the moment a ubatch got the baton to the moment it
-    handed it on (or finished): the time its thread ran Python and launched work;
+  - "baton": a span per turn, from the moment a ubatch's thread woke holding the baton
+    to the moment it handed it on (or finished): the time its thread ran Python and
+    launched work. The wake-up after a handoff (a few us on one core, up to ~100 us
+    across cores on a VM) is the gap between two turns;
   - "wait <collective>": the part of a turn a `comm` collective's `wait()` blocked the
     host (gloo blocks; NCCL's wait only orders streams and returns at once), i.e.
     communication the overlap did not hide; outside an overlap too (track "caller");
   - "dbo.overlap": each overlapped call on the caller's thread, split and merge
     included ("dbo.overlap inline" for a call that ran `fn` on the whole batch).
 
-A turn minus its waits is host work: when the baton is always held and the waits are
+A turn minus its waits is host work: when the turns leave few gaps and the waits are
 short, the host is the bottleneck (CPU-bound, or a GPU the host cannot keep fed). GPU
 kernels are not on this timeline; use `torch.profiler` for those.
 
@@ -97,6 +99,8 @@ class Trace:
         start_s = max(start_s, self.start_s)
         span = Span(name, ubatch_id, start_s, max(end_s, start_s), threading.get_ident())
         with self._lock:  # several overlaps may run at once, from several callers
+            if self.end_s is not None:
+                return  # the block has exited: a call that outlived it is not recorded
             if len(self.spans) < self.max_spans:
                 self.spans.append(span)
             else:
@@ -196,11 +200,12 @@ _lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    """Replace the locks another thread may have held at an `os.fork()`."""
-    global _lock
+    """Replace the lock another thread may have held at an `os.fork()`, and stop
+    recording: the parent's trace is the parent's (nobody reads the child's copy), and
+    the child may start its own."""
+    global _lock, _active
     _lock = threading.Lock()
-    if _active is not None:
-        _active._lock = threading.Lock()
+    _active = None
 
 
 if hasattr(os, "register_at_fork"):
@@ -231,4 +236,5 @@ def trace(max_spans: int = DEFAULT_MAX_SPANS) -> Iterator[Trace]:
     finally:
         with _lock:
             _active = None
-        recording.end_s = time.perf_counter()
+        with recording._lock:  # from here on, add() ignores late spans
+            recording.end_s = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Run it with:
 
-    make demo        # or: .venv/bin/python examples/workspace_demo.py
+    make demo-workspace  # or: .venv/bin/python examples/workspace_demo.py
 
 What it shows, on CPU:
 

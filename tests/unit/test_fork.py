@@ -130,3 +130,20 @@ def test_locks_held_by_another_thread_at_the_fork_do_not_block_the_child() -> No
         code = _wait_for(pid, timeout_s=30.0)
     assert code is not None, "the child hung on a lock copied held"
     assert code == _OK, f"the child failed check {code}"
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_inside_a_trace_does_not_record_into_the_parents() -> None:
+    x = torch.ones(4, 2)
+    with dbo.trace() as timeline:
+        pid = os.fork()
+        if pid == 0:  # the child: its own trace must start, and the parent's stay idle
+            try:
+                with dbo.trace() as own:
+                    dbo.overlap(lambda t: t + 1)(x)
+                os._exit(0 if own.spans else 3)
+            except BaseException:  # noqa: BLE001 - any failure is an exit code
+                os._exit(4)
+        code = _wait_for(pid, timeout_s=30.0)
+    assert code == 0, code
+    assert timeline.spans == []  # the child's calls never reach the parent's trace

@@ -238,3 +238,80 @@ def test_reading_a_trace_while_overlaps_record_sees_one_consistent_set_of_spans(
     assert len(spans) == len(recording.spans)
     named = {event["tid"] for event in events if event["ph"] == "M" and event["tid"] != 0}
     assert {event["tid"] for event in spans} <= named
+
+
+def test_a_turn_starts_when_its_thread_wakes_not_at_the_handoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn used to start at the handoff, so the successor's wake-up counted as host
+    work and turns were back to back by construction. With each wake-up slowed to 20 ms,
+    the turns of a do-nothing fn must leave those 20 ms as gaps."""
+    from dbo import baton as baton_module
+
+    original_park = baton_module.Baton._park
+
+    def slow_wake(self: baton_module.Baton, ubatch_id: int) -> None:
+        original_park(self, ubatch_id)  # woken holding the baton...
+        if ubatch_id == 1:
+            time.sleep(0.05)  # ...but slow to get going, like a cold cross-core wake-up
+            if tracing._active is not None:
+                self._turn_start[ubatch_id] = time.perf_counter()
+
+    step = _yielding(3)
+    step(torch.zeros(4))  # warm: the pooled threads exist
+    with dbo.trace() as timeline:
+        step(torch.zeros(4))
+    turns = sorted(
+        (span for span in timeline.spans if span.name == "baton"), key=lambda s: s.start_s
+    )
+    handoffs_to_1 = [
+        later.start_s - earlier.end_s
+        for earlier, later in zip(turns, turns[1:])
+        if later.ubatch_id == 1
+    ]
+    assert handoffs_to_1 and all(gap >= 0 for gap in handoffs_to_1)
+    # Without the patch (a control), the gaps are the real, short wake-ups; with it,
+    # each gap holds the 50 ms, and ubatch 1's turns stay short.
+    monkeypatch.setattr(baton_module.Baton, "_park", slow_wake)
+    with dbo.trace() as slowed:
+        step(torch.zeros(4))
+    turns = sorted(
+        (span for span in slowed.spans if span.name == "baton"), key=lambda s: s.start_s
+    )
+    gaps = [
+        later.start_s - earlier.end_s
+        for earlier, later in zip(turns, turns[1:])
+        if later.ubatch_id == 1
+    ]
+    assert len(gaps) == 4 and all(gap >= 0.045 for gap in gaps), gaps
+    assert all(span.duration_s < 0.045 for span in turns if span.ubatch_id == 1), turns
+
+
+def test_a_call_that_outlives_the_block_is_not_added_to_the_finished_trace() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        started.set()
+        release.wait(TIMEOUT_S)
+        return x
+
+    step = dbo.overlap(fn, timeout_s=TIMEOUT_S)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            step(torch.zeros(4))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with dbo.trace() as timeline:
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert started.wait(TIMEOUT_S)
+    spans_at_exit = list(timeline.spans)
+    release.set()
+    thread.join(TIMEOUT_S)
+    assert not thread.is_alive() and not errors
+    assert timeline.spans == spans_at_exit  # complete once the block exited
+    assert timeline.end_s is not None
+    assert all(span.end_s <= timeline.end_s for span in timeline.spans)
