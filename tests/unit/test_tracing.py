@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -240,6 +241,22 @@ def test_reading_a_trace_while_overlaps_record_sees_one_consistent_set_of_spans(
     assert {event["tid"] for event in spans} <= named
 
 
+def _turns_and_gaps_before_ubatch_1(step: Any) -> tuple[list[tracing.Span], list[float]]:
+    """One traced call of `step`: its turns in time order, and the gap before each of
+    ubatch 1's turns (from the end of the turn before it)."""
+    with dbo.trace() as timeline:
+        step(torch.zeros(4))
+    turns = sorted(
+        (span for span in timeline.spans if span.name == "baton"), key=lambda s: s.start_s
+    )
+    gaps = [
+        later.start_s - earlier.end_s
+        for earlier, later in zip(turns, turns[1:])
+        if later.ubatch_id == 1
+    ]
+    return turns, gaps
+
+
 def test_a_turn_starts_when_its_thread_wakes_not_at_the_handoff(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -259,30 +276,12 @@ def test_a_turn_starts_when_its_thread_wakes_not_at_the_handoff(
 
     step = _yielding(3)
     step(torch.zeros(4))  # warm: the pooled threads exist
-    with dbo.trace() as timeline:
-        step(torch.zeros(4))
-    turns = sorted(
-        (span for span in timeline.spans if span.name == "baton"), key=lambda s: s.start_s
-    )
-    handoffs_to_1 = [
-        later.start_s - earlier.end_s
-        for earlier, later in zip(turns, turns[1:])
-        if later.ubatch_id == 1
-    ]
-    assert handoffs_to_1 and all(gap >= 0 for gap in handoffs_to_1)
+    turns, handoffs_to_1 = _turns_and_gaps_before_ubatch_1(step)
+    assert len(handoffs_to_1) == 4 and all(gap >= 0 for gap in handoffs_to_1)
     # Without the patch (a control), the gaps are the real, short wake-ups; with it,
     # each gap holds the 50 ms, and ubatch 1's turns stay short.
     monkeypatch.setattr(baton_module.Baton, "_park", slow_wake)
-    with dbo.trace() as slowed:
-        step(torch.zeros(4))
-    turns = sorted(
-        (span for span in slowed.spans if span.name == "baton"), key=lambda s: s.start_s
-    )
-    gaps = [
-        later.start_s - earlier.end_s
-        for earlier, later in zip(turns, turns[1:])
-        if later.ubatch_id == 1
-    ]
+    turns, gaps = _turns_and_gaps_before_ubatch_1(step)
     assert len(gaps) == 4 and all(gap >= 0.045 for gap in gaps), gaps
     assert all(span.duration_s < 0.045 for span in turns if span.ubatch_id == 1), turns
 
