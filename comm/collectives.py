@@ -164,7 +164,7 @@ class CollectiveWork:
             try:
                 dbo.yield_()
             except BaseException as error:
-                _abandoned.abandon(self._work)  # aborted: settled before the process ends
+                self._abandon()  # aborted: settled before the process ends
                 self._fail(error)
                 raise
         try:
@@ -200,6 +200,21 @@ class CollectiveWork:
     def _release(self) -> None:
         self._tensors = ()
         self._exit_cell.clear()
+
+    def _abandon(self) -> None:
+        """Hand the Work, never waited, to `comm._abandoned` (host backends only)."""
+        if not any(tensor.is_cuda for tensor in self._tensors):
+            _abandoned.abandon(self._work)
+
+    def __del__(self) -> None:
+        # Dropped before any wait finished (its ubatch was aborted at a later yield, where
+        # exit callbacks do not run, or the caller let it go): the collective may still
+        # run, so the process must not end before it does (comm._abandoned).
+        try:
+            if not self._done and self._error is None:
+                self._abandon()
+        except Exception:  # noqa: BLE001, S110 - at interpreter exit anything may be gone
+            pass
 
     def __repr__(self) -> str:
         if self._error is not None:
@@ -326,7 +341,8 @@ def _run(
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
         except BaseException:
-            _abandoned.abandon(work)  # aborted: settled before the process ends
+            if not on_cuda:  # aborted: settled before the process ends (host backends)
+                _abandoned.abandon(work)
             raise
         _blocking(work.wait, name, ubatch_id)
         return None

@@ -12,7 +12,6 @@ group (see `comm.groups`). Nothing happens at import.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -28,6 +27,10 @@ from comm.groups import destroy_ubatch_groups, group_registry, ubatch_groups
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a collective may wait for its peers before it raises (seconds)."""
+
+MAX_TIMEOUT_S = 1e8
+"""The longest timeout accepted (over 3 years): torch converts it to integer
+milliseconds, and far larger values overflow inside torch.distributed."""
 
 TORCHRUN_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What `torchrun` sets for each process and `init_distributed` reads."""
@@ -143,8 +146,10 @@ def init_distributed(
         raise TypeError(f"backend must be a string such as 'nccl' or 'gloo', got {backend!r}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
         raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-    if not (timeout_s > 0 and math.isfinite(timeout_s)):
-        raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s}")
+    if not 0 < timeout_s <= MAX_TIMEOUT_S:  # also refuses nan and inf
+        raise ValueError(
+            f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout_s}"
+        )
     if isinstance(num_ubatch_groups, bool) or not isinstance(num_ubatch_groups, int):
         raise TypeError(f"num_ubatch_groups must be an int >= 0, got {num_ubatch_groups!r}")
     if num_ubatch_groups < 0:
@@ -156,10 +161,9 @@ def init_distributed(
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
     elif _state.device is None:
-        # A world initialized elsewhere: adopt it, and make the device current as a fresh
-        # initialization would. The per-ubatch duplicates (which carry every collective
-        # made inside an overlap) get the world's own timeout; this call's is the
-        # fallback where that cannot be read (comm.groups).
+        # A world initialized elsewhere: adopt it, but give the per-ubatch duplicates
+        # (which carry every collective made inside an overlap) this call's timeout, and
+        # make the device current as a fresh initialization would.
         _state.device = _resolve_device(
             device, str(dist.get_backend()), int(os.environ.get("LOCAL_RANK", "0"))
         )
@@ -182,12 +186,18 @@ def _init_process_group(
     allow_single_process: bool,
 ) -> None:
     missing = [name for name in TORCHRUN_ENV_VARS if name not in os.environ]
-    present = [name for name in TORCHRUN_ENV_VARS if name in os.environ]
-    # A single rank only when no torchrun variable is set (or WORLD_SIZE=1 says so): a
-    # partial environment (RANK=1 without WORLD_SIZE; WORLD_SIZE=2 without MASTER_ADDR) is
-    # a launch mistake, and running it as rank 0 of 1 would silently compute the wrong
-    # thing.
-    partial = bool(missing) and bool(present) and os.environ.get("WORLD_SIZE") != "1"
+    # A single rank unless the environment says there are several: WORLD_SIZE other
+    # than 1 or, without WORLD_SIZE, a RANK or a LOCAL_RANK other than 0. Such a partial
+    # environment is a launch mistake, and running it as rank 0 of 1 would silently
+    # compute the wrong thing. MASTER_ADDR/MASTER_PORT alone (a batch script's exports)
+    # or LOCAL_RANK=0 say nothing of the world: a single process may run (its RANK and
+    # LOCAL_RANK, if set, are checked against WORLD_SIZE=1 below).
+    environ = os.environ
+    if "WORLD_SIZE" in environ:
+        several = environ["WORLD_SIZE"] != "1"
+    else:
+        several = "RANK" in environ or environ.get("LOCAL_RANK", "0") != "0"
+    partial = bool(missing) and several
     if missing and (partial or not allow_single_process):
         raise TorchrunEnvironmentError(_torchrun_hint(missing))
     single = bool(missing)

@@ -60,9 +60,12 @@ from comm._checks import resolve_group
 class UBatchGroupRegistry:
     """The duplicate groups created so far, per base group (one per process).
 
-    A duplicate gets its base group's timeout, so that a collective times out inside an
-    overlap when the same call outside would; `timeout_s` (set by `init_distributed`;
-    None: the torch.distributed default) is for when the base's cannot be read.
+    `timeout_s` (set by `init_distributed`; None: the torch.distributed default) is the
+    timeout of the default group's duplicates, which carry every collective made inside
+    an overlap without a group: what `init_distributed(timeout_s=...)` promises, even in
+    a world initialized elsewhere with another timeout. A subgroup's duplicates get the
+    subgroup's own timeout (`timeout_s` where it cannot be read), so that a collective
+    times out inside an overlap when the same call outside would.
     """
 
     def __init__(self) -> None:
@@ -108,7 +111,7 @@ class UBatchGroupRegistry:
                     )
                 ranks = dist.get_process_group_ranks(base)
                 backend = str(dist.get_backend(base))
-                timeout = _timeout_of(base)
+                timeout = self._timeout_for(base)
                 for index in range(len(existing), num_ubatches):
                     duplicate = self._new_group(ranks, backend, index, timeout)
                     assert isinstance(duplicate, dist.ProcessGroup), (
@@ -149,6 +152,12 @@ class UBatchGroupRegistry:
                 self._new_group(ranks, backend, index)
                 if counted:
                     self._created_as_non_member[identity] = index + 1
+
+    def _timeout_for(self, base: dist.ProcessGroup) -> timedelta | None:
+        """The timeout of `base`'s duplicates (None: `_new_group` uses `timeout_s`)."""
+        if base is dist.GroupMember.WORLD and self.timeout_s is not None:
+            return timedelta(seconds=self.timeout_s)
+        return _timeout_of(base)
 
     def _new_group(
         self, ranks: list[int], backend: str, index: int, timeout: timedelta | None = None

@@ -205,6 +205,12 @@ def _after_fork_in_child() -> None:
     the child may start its own."""
     global _lock, _active
     _lock = threading.Lock()
+    if _active is not None:
+        # The child's copy: a new lock (another thread may have held the old one at the
+        # fork), ended, so that leaving the `with` block in the child neither blocks nor
+        # records.
+        _active._lock = threading.Lock()
+        _active.end_s = time.perf_counter()
     _active = None
 
 

@@ -54,7 +54,7 @@ def _adopted_world_duplicates_get_the_timeout() -> list[Any]:
     import torch.distributed as dist
 
     start_together()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=20))  # env:// from _spawn
+    dist.init_process_group("gloo", timeout=timedelta(seconds=40))  # env:// from _spawn
     return _new_group_timeouts(lambda: comm.init_distributed(timeout_s=20))
 
 
@@ -82,7 +82,8 @@ def test_adopted_world_duplicate_groups_use_the_given_timeout() -> None:
     """comm/distributed.py:133-139: when the world was initialized elsewhere, the
     registry's timeout stays None, so the per-ubatch duplicates (which carry every
     collective made inside an overlap) get torch's default timeout (30 min for gloo)
-    instead of `timeout_s` (or the world's): a diverged peer hangs for 30 minutes."""
+    instead of `timeout_s`: a diverged peer hangs for 30 minutes. The world's own
+    timeout (40 s here) differs, so that taking it instead of `timeout_s` fails too."""
     values = expect_ok(run_world(_adopted_world_duplicates_get_the_timeout, 2, timeout_s=60))
     for seen in values:
         assert len(seen) == 2, seen

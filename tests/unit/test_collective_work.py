@@ -326,6 +326,61 @@ def test_a_failure_whose_str_fails_is_remembered_and_raised_again() -> None:
 # --- collectives an aborted ubatch leaves in flight ------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _own_abandoned_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test keeps its abandoned Works apart: a fake that never completes must not
+    reach the process-wide list, which is settled (up to 30 s) when pytest exits."""
+    from comm import _abandoned
+
+    monkeypatch.setattr(_abandoned, "_works", [])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("later", ["an explicit yield", "the next collective"])
+def test_an_async_handle_dropped_by_an_abort_at_a_later_yield_is_settled(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch, later: str
+) -> None:
+    """The handle's Work was only kept when the abort came at the handle's own wait;
+    aborted at a later yield (exit callbacks do not run then), the handle was dropped
+    with its collective in flight."""
+    from comm import _abandoned
+
+    launched: list[_FakeWork] = []
+
+    def launch(*args: Any) -> _FakeWork:
+        launched.append(_FakeWork(completed=False))
+        return launched[-1]
+
+    monkeypatch.setattr(comm._launch, "all_reduce", launch)
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        import dbo
+
+        if dbo.current_ubatch_id() == 1:
+            raise ValueError("ubatch 1 fails")
+        handle = comm.all_reduce(x, async_op=True)  # no yield yet
+        if later == "an explicit yield":
+            dbo.yield_()
+        else:
+            comm.all_reduce(torch.ones(4))  # its yield is where the abort lands
+        handle.wait()
+        return x
+
+    import dbo
+
+    try:
+        with pytest.raises(ValueError, match="ubatch 1 fails"):
+            dbo.overlap(body)(torch.zeros(4))
+        import gc
+
+        gc.collect()  # the aborted frames may sit in a reference cycle
+        assert any(kept is launched[0] for kept in _abandoned._works)
+    finally:
+        for work in launched:
+            work.completed = True
+    assert _abandoned.settle(5.0) == 0
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("async_op", [False, True])
 def test_a_collective_left_in_flight_by_an_aborted_ubatch_is_settled(

@@ -135,7 +135,7 @@ def test_locks_held_by_another_thread_at_the_fork_do_not_block_the_child() -> No
 @pytest.mark.timeout(60)
 def test_a_child_forked_inside_a_trace_does_not_record_into_the_parents() -> None:
     x = torch.ones(4, 2)
-    with dbo.trace() as timeline:
+    with dbo.trace():
         pid = os.fork()
         if pid == 0:  # the child: its own trace must start, and the parent's stay idle
             try:
@@ -145,5 +145,34 @@ def test_a_child_forked_inside_a_trace_does_not_record_into_the_parents() -> Non
             except BaseException:  # noqa: BLE001 - any failure is an exit code
                 os._exit(4)
         code = _wait_for(pid, timeout_s=30.0)
-    assert code == 0, code
-    assert timeline.spans == []  # the child's calls never reach the parent's trace
+    assert code == 0, code  # 4: the child's trace() raised, the parent's was still active
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_the_trace_lock_was_held_can_leave_the_block() -> None:
+    pid = -1
+    with dbo.trace() as timeline:
+        timeline._lock.acquire()  # as another thread recording a span at the fork would
+        pid = os.fork()
+        if pid != 0:
+            timeline._lock.release()
+    if pid == 0:  # the child got here: leaving the block did not block on the old lock
+        os._exit(0)
+    assert _wait_for(pid, timeout_s=10.0) == 0, "the child hung leaving the trace block"
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_does_not_inherit_the_parents_abandoned_collectives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from comm import _abandoned
+
+    class NeverCompletes:
+        def is_completed(self) -> bool:
+            return False
+
+    monkeypatch.setattr(_abandoned, "_works", [NeverCompletes()])
+    pid = os.fork()
+    if pid == 0:  # they never complete in the child: it must not wait for them at exit
+        os._exit(0 if _abandoned.in_flight() == 0 else 3)
+    assert _wait_for(pid, timeout_s=30.0) == 0
