@@ -59,10 +59,10 @@ class Baton:
         self.holder_since = time.perf_counter()
         """When `holder` got the baton (perf_counter seconds): the watchdog's clock."""
         self.num_handoffs = 0
-        self._turn_start = [0.0] * num_ubatches
-        """When each ubatch's thread last woke holding the baton (only kept while a
-        `dbo.trace()` records): a traced turn starts there, not at the handoff, so the
-        successor's wake-up latency is a gap between turns, not host work."""
+        self._turn_start: list[float | None] = [None] * num_ubatches
+        """When each ubatch's thread last woke holding the baton (None: it never did, a
+        job revoked before it started): a traced turn starts there, not at the handoff,
+        so the successor's wake-up latency is a gap between turns, not host work."""
 
     # ------------------------------------------------------------------ caller side
     def start(self) -> None:
@@ -139,7 +139,7 @@ class Baton:
             now = time.perf_counter()
             recording = tracing._active
             if recording is not None:
-                recording.add("baton", ubatch_id, self._turn_start[ubatch_id], now)
+                recording.add("baton", ubatch_id, self._turn_start[ubatch_id] or 0.0, now)
             self.holder = successor
             self.holder_since = now
             self.num_handoffs += 1
@@ -162,8 +162,10 @@ class Baton:
         with self._mutex:
             recording = tracing._active
             held = self.holder == ubatch_id
-            if recording is not None and held:
-                recording.add("baton", ubatch_id, self._turn_start[ubatch_id], time.perf_counter())
+            started = self._turn_start[ubatch_id]
+            if recording is not None and held and started is not None:
+                # (A job revoked before it started held the baton but never ran a turn.)
+                recording.add("baton", ubatch_id, started, time.perf_counter())
             self._live[ubatch_id] = False
             self._num_live -= 1
             last = self._num_live == 0
@@ -192,8 +194,7 @@ class Baton:
         wake = self._wake[ubatch_id]
         while self.holder != ubatch_id and not self._forced:
             wake.wait()
-        if tracing._active is not None:
-            self._turn_start[ubatch_id] = time.perf_counter()
+        self._turn_start[ubatch_id] = time.perf_counter()
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
 

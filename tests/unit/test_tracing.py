@@ -313,3 +313,20 @@ def test_a_call_that_outlives_the_block_is_not_added_to_the_finished_trace() -> 
     assert timeline.spans == spans_at_exit  # complete once the block exited
     assert timeline.end_s is not None
     assert all(span.end_s <= timeline.end_s for span in timeline.spans)
+
+
+def test_a_revoked_job_that_held_the_baton_records_no_turn() -> None:
+    """The runner finishes a job revoked before it started (watchdog, interrupt) from the
+    caller's thread; it held the baton but never ran: no turn, and none on the caller's
+    track (with turns timed from the wake-up, it would have spanned from the trace's
+    start)."""
+    from dbo.baton import Baton
+
+    with dbo.trace() as timeline:
+        baton = Baton(2)
+        baton.start()  # ubatch 0 holds the baton; its thread never wakes
+        baton.abort("revoked", wake_all=True)
+        baton.finish(0)
+        baton.finish(1)
+        assert baton.wait_done(TIMEOUT_S)
+    assert [span for span in timeline.spans if span.name == "baton"] == []
