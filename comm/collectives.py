@@ -202,9 +202,7 @@ class CollectiveWork:
         self._exit_cell.clear()
 
     def _abandon(self) -> None:
-        """Hand the Work, never waited, to `comm._abandoned` (host backends only)."""
-        if not any(tensor.is_cuda for tensor in self._tensors):
-            _abandoned.abandon(self._work)
+        _abandon(self._work, self._tensors)
 
     def __del__(self) -> None:
         # Dropped before any wait finished (its ubatch was aborted at a later yield, where
@@ -267,6 +265,13 @@ def _rebuilt_without_init(error: BaseException) -> BaseException:
         state["__notes__"] = list(state["__notes__"])
     copied.__dict__.update(state)
     return copied
+
+
+def _abandon(work: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """Hand `work`, never waited, to `comm._abandoned`: host-backend collectives only (no
+    CUDA tensor; see that module for why NCCL's are left to NCCL)."""
+    if not any(tensor.is_cuda for tensor in tensors):
+        _abandoned.abandon(work)
 
 
 def _wait_left_over(cell: list[CollectiveWork]) -> None:
@@ -341,8 +346,7 @@ def _run(
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
         except BaseException:
-            if not on_cuda:  # aborted: settled before the process ends (host backends)
-                _abandoned.abandon(work)
+            _abandon(work, tensors)  # aborted: settled before the process ends
             raise
         _blocking(work.wait, name, ubatch_id)
         return None
