@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,9 +22,24 @@ NOT_INITIALIZED_MESSAGE = (
 )
 
 
-_member_groups: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-"""Groups this rank was found to be a member of (membership never changes; whether the
-group still exists does: `_still_registered`)."""
+class GroupFacts(NamedTuple):
+    """What the checks and the launch ask of a process group on every call; fixed for
+    the group's life, so read once (each query is a call into C++)."""
+
+    size: int
+    """`group.size()`."""
+    is_nccl: bool
+    """Whether torch names the group's backend nccl (also "cpu:gloo,cuda:nccl")."""
+
+
+_known: dict[int, tuple[weakref.ref[dist.ProcessGroup], GroupFacts]] = {}
+"""id(group) -> (weak reference to the group, its facts), for groups this rank was
+found to be a member of (membership never changes; whether the group still exists
+does: `_still_registered`). Weak, so that a destroyed group is not kept alive (its
+sockets and threads go with it); the reference also tells a reused id from the group."""
+
+_DIST_AVAILABLE = dist.is_available()
+_GroupMember = dist.GroupMember if _DIST_AVAILABLE else None
 
 
 def _still_registered(group: dist.ProcessGroup) -> bool:
@@ -42,15 +57,42 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
     Raises RuntimeError when torch.distributed is not initialized, TypeError for a
     non-group, ValueError when this rank is not a member of `group`.
     """
-    # Fast paths (every collective resolves its group): the default group of an
-    # initialized world, or a group this rank was already found to be a member of.
-    if group is None:
-        world = dist.GroupMember.WORLD if dist.is_available() else None
-        if world is not None:
-            return world
-    elif group in _member_groups and _still_registered(group):
-        return group
-    if not dist.is_available() or not dist.is_initialized():
+    return resolve_group_and_facts(group)[0]
+
+
+def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
+    """`resolve_group(group)` and that group's `GroupFacts`.
+
+    The fast path, one dict lookup, serves every collective after a group's first: the
+    default group of an initialized world (None; `GroupMember.WORLD` is replaced when
+    the world is destroyed or initialized again), or a group this rank was already found
+    to be a member of and that is still registered.
+    """
+    key = _GroupMember.WORLD if group is None and _GroupMember is not None else group
+    entry = _known.get(id(key))
+    if entry is not None:
+        known = entry[0]()
+        if known is key and known is not None and (group is None or _still_registered(known)):
+            return known, entry[1]
+    resolved = _resolve_slowly(group)
+    facts = GroupFacts(resolved.size(), backend_is_nccl(resolved))
+    _known[id(resolved)] = (weakref.ref(resolved, _forget(id(resolved))), facts)
+    return resolved, facts
+
+
+def _forget(key: int) -> Any:
+    """The callback that drops a dead group's entry (unless the id was reused since)."""
+
+    def forget(reference: weakref.ref[dist.ProcessGroup]) -> None:
+        entry = _known.get(key)
+        if entry is not None and entry[0] is reference:
+            del _known[key]
+
+    return forget
+
+
+def _resolve_slowly(group: Any) -> dist.ProcessGroup:
+    if not _DIST_AVAILABLE or not dist.is_initialized():
         raise RuntimeError(NOT_INITIALIZED_MESSAGE)
     if group is None:
         world = dist.group.WORLD
@@ -71,7 +113,6 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
             f"(ranks {dist.get_process_group_ranks(group)}); call the collective only on its "
             "members"
         )
-    _member_groups.add(group)
     return group
 
 

@@ -53,6 +53,20 @@ class _Direct(NamedTuple):
     """Its options type (`AllreduceOptions`, ...)."""
     has_async_op: bool
     """Whether those options have `asyncOp` (newer torch)."""
+    plain_options: tuple[Any, Any]
+    """The options without a reduce op, for a blocking and an async launch (index
+    `async_op`): built once, as setting their fields costs more than a lookup."""
+
+
+def _new_options(
+    options_type: Any, has_async_op: bool, async_op: bool, reduce_op: Any = None
+) -> Any:
+    options = options_type()
+    if has_async_op:
+        options.asyncOp = async_op
+    if reduce_op is not None:
+        options.reduceOp = reduce_op
+    return options
 
 
 def _fast(options_type: str, *names: str) -> _Direct | None:
@@ -61,7 +75,9 @@ def _fast(options_type: str, *names: str) -> _Direct | None:
     method, options = _method(*names), getattr(_c10d, options_type, None)
     if method is None or options is None:
         return None
-    return _Direct(method, options, hasattr(options(), "asyncOp"))
+    has_async_op = hasattr(options(), "asyncOp")
+    blocking, async_ = (_new_options(options, has_async_op, flag) for flag in (False, True))
+    return _Direct(method, options, has_async_op, (blocking, async_))
 
 
 _ALL_TO_ALL = _fast("AllToAllOptions", "all_to_all_single", "alltoall_base")
@@ -74,28 +90,23 @@ _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda
 
 
 def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) -> bool:
-    # Whether `group` is inside a `dist._coalescing_manager` is read at each call (torch's
-    # test backends replace the module's `_world`); a torch that does not say takes
-    # torch's path. One function, no helpers: it runs on every collective.
-    coalescing = getattr(getattr(_c10d, "_world", None), "pg_coalesce_state", None)
+    """Whether `torch.distributed`'s function would call `group`'s method with these
+    tensors as they are. `first` and `second` have one dtype (the callers checked), so
+    one of them tells whether they are complex. One function, no helpers: it runs on
+    every collective."""
+    try:
+        # Read at each call (torch's test backends replace the module's `_world`); a
+        # torch that does not say takes torch's path.
+        coalescing = _c10d._world.pg_coalesce_state
+    except AttributeError:
+        return False
     return (
         type(group) is _ProcessGroup
         and not _has_torch_function((first, second))
         and not first.is_complex()
-        and not second.is_complex()
-        and coalescing is not None
-        and group not in coalescing
+        and (not coalescing or group not in coalescing)
         and not _is_compiling()
     )
-
-
-def _new_options(direct: _Direct, async_op: bool, reduce_op: Any = None) -> Any:
-    options = direct.options_type()
-    if direct.has_async_op:
-        options.asyncOp = async_op
-    if reduce_op is not None:
-        options.reduceOp = reduce_op
-    return options
 
 
 _options_cache: dict[tuple[type, bool, int], tuple[Any, Any]] = {}
@@ -113,7 +124,7 @@ def _options(direct: _Direct, async_op: bool, reduce_op: Any = None) -> Any:
     cached = _options_cache.get(key)
     if cached is not None and cached[0] is reduce_op:
         return cached[1]
-    options = _new_options(direct, async_op, reduce_op)
+    options = _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
     if reduce_op is None or type(reduce_op) is _RedOpType:
         _options_cache[key] = (reduce_op, options)
     return options
@@ -138,7 +149,7 @@ def all_to_all_single(
             group, output, input,
             [] if output_split_sizes is None else output_split_sizes,
             [] if input_split_sizes is None else input_split_sizes,
-            _options(_ALL_TO_ALL, async_op),
+            _ALL_TO_ALL.plain_options[async_op],
         )
         return work if async_op else _waited(work)
     return dist.all_to_all_single(
@@ -158,8 +169,7 @@ def all_gather_into_tensor(
     group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, async_op: bool
 ) -> Any:
     if _ALL_GATHER is not None and _plain(group, output, input):
-        options = _options(_ALL_GATHER, async_op)
-        work = _ALL_GATHER.method(group, output, input, options)
+        work = _ALL_GATHER.method(group, output, input, _ALL_GATHER.plain_options[async_op])
         return work if async_op else _waited(work)
     # `dist.all_gather_single` is the name since torch 2.13 (the old one warns).
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

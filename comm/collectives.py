@@ -52,6 +52,7 @@ import torch.distributed as dist
 import dbo
 from comm import _abandoned, _launch
 from comm._checks import (
+    GroupFacts,
     backend_is_nccl,
     check_split_sizes,
     require_backend_device,
@@ -60,7 +61,7 @@ from comm._checks import (
     require_same_device,
     require_same_dtype,
     require_tensor,
-    resolve_group,
+    resolve_group_and_facts,
 )
 from comm.groups import group_registry
 from dbo import tracing
@@ -68,6 +69,7 @@ from dbo.errors import describe
 
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
+_CudaStream = torch.cuda.Stream
 
 _Launch = Callable[..., Any]
 """`launch(group, *args, async_op) -> Work | None`: the collective itself, one of
@@ -326,7 +328,7 @@ def _run(
     ubatch_group = _registry.lookup(group, ubatch_id)
     # On the CPU backend streams are bookkeeping only and the collective completes on
     # the host: no stream to move to, nothing to protect (the same yields either way).
-    on_cuda = isinstance(stream, torch.cuda.Stream)
+    on_cuda = isinstance(stream, _CudaStream)
     switched = on_cuda and not dbo.on_comm_stream()
     if switched:
         dbo.switch_to_comm()
@@ -356,19 +358,21 @@ def _run(
 
 
 def _check_pair(
-    output: Any, input: Any, group: dist.ProcessGroup
+    output: Any, input: Any, group: dist.ProcessGroup, facts: GroupFacts
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # The common case, answered in a few attribute reads: these checks run on every
-    # collective, and on a host that must stay ahead of the GPU each microsecond counts.
-    # Anything else goes through the detailed checks below, which say what is wrong.
+    # collective, and on a host that must stay ahead of the GPU each microsecond counts
+    # (dtypes are singletons, so `is` compares them; two CPU tensors need no device
+    # objects). Anything else goes through the detailed checks below, which say what is
+    # wrong.
     if (
         isinstance(output, torch.Tensor)
         and isinstance(input, torch.Tensor)
-        and output.dtype == input.dtype
-        and output.device == input.device
+        and output.dtype is input.dtype
+        and ((output.is_cpu and input.is_cpu) or output.device == input.device)
         and output.is_contiguous()
         and input.is_contiguous()
-        and (input.is_cuda or not backend_is_nccl(group))
+        and (input.is_cuda or not facts.is_nccl)
     ):
         return output, input
     output = require_tensor("output", output)
@@ -475,18 +479,19 @@ def all_to_all_single(
     Outside an overlap: `torch.distributed.all_to_all_single`. Inside: on the ubatch's
     comm stream and group, yielding while in flight (module docstring).
     """
-    base = resolve_group(group)
+    base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
-    output, input = _check_pair(output, input, base)
-    same_shape = output.shape == input.shape
-    if not same_shape or output.ndim == 0:  # equal shapes: the rows agree
+    output, input = _check_pair(output, input, base, facts)
+    shape = output.shape
+    same_shape = shape == input.shape
+    if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
         _check_rows(output, input)
-    world_size = base.size()
+    world_size = facts.size
     if (  # even splits of equal shapes: nothing more to check (the common call)
         same_shape
         and output_split_sizes is None
         and input_split_sizes is None
-        and output.shape[0] % world_size == 0
+        and shape[0] % world_size == 0
     ):
         output_splits = input_splits = None
     else:
@@ -516,12 +521,13 @@ def all_reduce(
     Outside an overlap: `torch.distributed.all_reduce`. Inside: on the ubatch's comm
     stream and group, yielding while in flight (module docstring).
     """
-    base = resolve_group(group)
+    base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     tensor = require_tensor("tensor", tensor)
     require_reduce_op(op)
     require_contiguous("tensor", tensor)  # NCCL would only refuse it at launch
-    require_backend_device(base, "tensor", tensor)
+    if facts.is_nccl:
+        require_backend_device(base, "tensor", tensor)
     return _run("all_reduce", _launch.all_reduce, (tensor, op), (tensor,), base, async_op)
 
 
@@ -546,9 +552,9 @@ def all_gather_into_tensor(
     Outside an overlap: `torch.distributed.all_gather_into_tensor`. Inside: on the
     ubatch's comm stream and group, yielding while in flight (module docstring).
     """
-    base = resolve_group(group)
+    base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
-    output, input = _check_pair(output, input, base)
+    output, input = _check_pair(output, input, base, facts)
     _require_world_chunks("all_gather_into_tensor", "output", output, "input", input, base)
     return _run(
         "all_gather_into_tensor", _launch.all_gather_into_tensor,
@@ -579,9 +585,9 @@ def reduce_scatter_tensor(
     Outside an overlap: `torch.distributed.reduce_scatter_tensor`. Inside: on the
     ubatch's comm stream and group, yielding while in flight (module docstring).
     """
-    base = resolve_group(group)
+    base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
-    output, input = _check_pair(output, input, base)
+    output, input = _check_pair(output, input, base, facts)
     require_reduce_op(op)
     _require_world_chunks("reduce_scatter_tensor", "input", input, "output", output, base)
     return _run(
