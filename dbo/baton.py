@@ -125,15 +125,18 @@ class Baton:
         """
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
-        mutex = self._mutex
-        mutex.acquire()
-        try:
+        # Every yield of every ubatch runs this, with the host's caches cold from the
+        # overlapped transfer: each step costs several times its tight-loop price, so
+        # the common case (the next ubatch of the ring is live) is inlined.
+        with self._mutex:
             assert self.holder == ubatch_id, (
                 f"ubatch {ubatch_id} yielded without holding the baton (holder: "
                 f"{self.holder}); only one ubatch may run at a time, or launch order "
                 "differs between ranks"
             )
-            successor = self._next_live(ubatch_id)
+            successor = ubatch_id + 1 if ubatch_id + 1 < self.num_ubatches else 0
+            if not self._live[successor]:
+                successor = self._next_live(ubatch_id)
             if successor == ubatch_id:
                 return
             now = time.perf_counter()
@@ -143,8 +146,6 @@ class Baton:
             self.holder = successor
             self.holder_since = now
             self.num_handoffs += 1
-        finally:
-            mutex.release()
         # Wake the successor and park at once. Never wake under the mutex: on one core
         # the woken thread runs at once and would block on the mutex straight away.
         self._wake[successor].set()
@@ -199,9 +200,6 @@ class Baton:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
 
     def _next_live(self, ubatch_id: int) -> int:
-        successor = ubatch_id + 1 if ubatch_id + 1 < self.num_ubatches else 0
-        if self._live[successor]:
-            return successor
         for step in range(1, self.num_ubatches + 1):
             candidate = (ubatch_id + step) % self.num_ubatches
             if self._live[candidate]:
