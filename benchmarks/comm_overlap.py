@@ -52,7 +52,10 @@ pipeline was ahead by 2-10%, "slower" in 8 of the 12 rows and a tie in the other
 the pipeline (0.97-1.04). Process CPU time per step (ad hoc, 256 KB) was 1.4 ms (4%)
 more for DBO than for the bare threads with the same number of context switches: the
 gap is host work (dbo + comm, ~45 us per ubatch-layer on this saturated core, several
-times their cost measured in a tight loop), not waiting.
+times their cost measured in a tight loop), not waiting. In the seventh session `comm`
+took fewer steps per collective (3% off the step side by side) and came within ~1% of
+raw launches; over three runs DBO was 0-7% behind the bare threads and 2-10% behind
+the pipeline, the greenlets 0-4% behind it.
 """
 
 from __future__ import annotations
