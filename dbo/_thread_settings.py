@@ -19,6 +19,7 @@ under the caller's `torch.no_grad()`, or run matmuls with the default thread cou
 
 from __future__ import annotations
 
+import threading
 from contextlib import ExitStack
 from threading import local
 from typing import Any, NamedTuple
@@ -41,6 +42,55 @@ def _autocast_device_types() -> tuple[str, ...]:
 
 
 _AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+_is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _types_the_any_query_misses() -> tuple[str, ...]:
+    """The device types whose autocast `torch._C._is_any_autocast_enabled()` does not
+    report (mps, in the torch of this writing), found by trying each in a new thread,
+    where autocast starts off everywhere (the flags are per thread). Every type if the
+    query is missing or the probe fails: then each is asked on every call."""
+    if _is_any_autocast_enabled is None:
+        return _AUTOCAST_DEVICE_TYPES
+    missed: list[str] = []
+    failed: list[BaseException] = []
+
+    def probe() -> None:
+        try:
+            for device_type in _AUTOCAST_DEVICE_TYPES:
+                torch.set_autocast_enabled(device_type, True)
+                try:
+                    if not _is_any_autocast_enabled():
+                        missed.append(device_type)
+                finally:
+                    torch.set_autocast_enabled(device_type, False)
+        except BaseException as error:  # noqa: BLE001 - any failure: ask every type
+            failed.append(error)
+
+    thread = threading.Thread(target=probe, name="dbo-autocast-probe", daemon=True)
+    thread.start()
+    thread.join(10.0)
+    if failed or thread.is_alive():
+        return _AUTOCAST_DEVICE_TYPES
+    return tuple(missed)
+
+
+_AUTOCAST_MISSED_BY_ANY = _types_the_any_query_misses()
+
+
+def _enabled_autocasts() -> tuple[tuple[str, torch.dtype], ...]:
+    """(device_type, dtype) of each autocast enabled in the calling thread. One query
+    answers the usual case (none enabled) for all but the types it misses; asking each
+    of the six types costs ~3 us, on every overlap call."""
+    if (_is_any_autocast_enabled is None or not _is_any_autocast_enabled()) and not any(
+        torch.is_autocast_enabled(device_type) for device_type in _AUTOCAST_MISSED_BY_ANY
+    ):
+        return ()
+    return tuple(
+        (device_type, torch.get_autocast_dtype(device_type))
+        for device_type in _AUTOCAST_DEVICE_TYPES
+        if torch.is_autocast_enabled(device_type)
+    )
 
 
 class _Applied(local):
@@ -70,12 +120,7 @@ class ThreadSettings(NamedTuple):
 
 def capture() -> ThreadSettings:
     """The calling thread's settings."""
-    # One query per device type: torch._C._is_any_autocast_enabled() misses mps.
-    autocast = tuple(
-        (device_type, torch.get_autocast_dtype(device_type))
-        for device_type in _AUTOCAST_DEVICE_TYPES
-        if torch.is_autocast_enabled(device_type)
-    )
+    autocast = _enabled_autocasts()
     cuda_device = None
     # Initialized implies available; asked first because it is a flag read, where
     # is_available() costs ~1 us (more on a machine with GPUs) on every call.

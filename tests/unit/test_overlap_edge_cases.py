@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dbo
+from dbo import _thread_settings
 
 TIMEOUT_S = 30.0
 
@@ -391,9 +392,25 @@ def test_user_dicts_and_list_subclasses_are_split_and_merged_keeping_their_state
     assert isinstance(rows, Rows) and rows.label == "r" and torch.equal(rows[0], torch.ones(6))
 
 
+@pytest.mark.parametrize("device_type", _thread_settings._AUTOCAST_DEVICE_TYPES)
+def test_autocast_of_every_device_type_is_captured(device_type: str) -> None:
+    """The capture asks torch's any-autocast query first and only the types it misses
+    (mps) one by one: each type's flag must still be seen."""
+    before = torch.is_autocast_enabled(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        captured = _thread_settings.capture().autocast
+    finally:
+        torch.set_autocast_enabled(device_type, before)
+    assert [kind for kind, _ in captured] == [device_type]
+    assert _thread_settings.capture().autocast == ()
+
+
 @pytest.mark.parametrize("device_type", ["hpu", "xpu", "mps"])
 def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
     # Setting the flag needs no such device; it is what a model on that device sees.
+    # (cuda and privateuseone are replayed through `torch.autocast`, which refuses a
+    # device this machine does not have.)
     before = torch.is_autocast_enabled(device_type)
     torch.set_autocast_enabled(device_type, True)
     try:
@@ -407,6 +424,21 @@ def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
     finally:
         torch.set_autocast_enabled(device_type, before)
     assert seen == [True, True]
+
+
+def test_without_the_any_query_every_autocast_type_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_thread_settings, "_is_any_autocast_enabled", None)
+    assert _thread_settings._types_the_any_query_misses() == (
+        _thread_settings._AUTOCAST_DEVICE_TYPES
+    )
+    monkeypatch.setattr(
+        _thread_settings, "_AUTOCAST_MISSED_BY_ANY", _thread_settings._AUTOCAST_DEVICE_TYPES
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _thread_settings.capture().autocast == (("cpu", torch.bfloat16),)
+    assert _thread_settings.capture().autocast == ()
 
 
 @pytest.mark.skipif(
