@@ -20,6 +20,7 @@ under the caller's `torch.no_grad()`, or run matmuls with the default thread cou
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from threading import local
 from typing import Any, NamedTuple
@@ -42,40 +43,54 @@ def _autocast_device_types() -> tuple[str, ...]:
 
 
 _AUTOCAST_DEVICE_TYPES = _autocast_device_types()
-_is_any_autocast_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+_AnyQuery = Callable[[], bool]
 
 
-def _types_the_any_query_misses() -> tuple[str, ...]:
-    """The device types whose autocast `torch._C._is_any_autocast_enabled()` does not
-    report (mps, in the torch of this writing), found by trying each in a new thread,
-    where autocast starts off everywhere (the flags are per thread). Every type if the
-    query is missing or the probe fails: then each is asked on every call."""
-    if _is_any_autocast_enabled is None:
-        return _AUTOCAST_DEVICE_TYPES
+def _probe_any_autocast_query(
+    query: _AnyQuery | None,
+) -> tuple[_AnyQuery | None, tuple[str, ...]]:
+    """(`query`, the device types whose autocast it does not report), `query` being
+    `torch._C._is_any_autocast_enabled` (it misses mps in the torch of this writing).
+    Found by enabling each type in a new thread, where autocast starts off everywhere
+    (the flags are per thread). (None, every type) when the query is missing or cannot
+    be trusted: the probe could not run, failed, or found autocast already on (a green
+    thread sharing the importer's OS thread); then each type is asked on every call."""
+    unusable = (None, _AUTOCAST_DEVICE_TYPES)
+    if query is None:
+        return unusable
     missed: list[str] = []
-    failed: list[BaseException] = []
+    failed: list[BaseException | None] = []
 
     def probe() -> None:
         try:
+            if query():
+                failed.append(None)  # not a fresh thread's flags: nothing to learn
+                return
             for device_type in _AUTOCAST_DEVICE_TYPES:
+                before = torch.is_autocast_enabled(device_type)
                 torch.set_autocast_enabled(device_type, True)
                 try:
-                    if not _is_any_autocast_enabled():
+                    if not query():
                         missed.append(device_type)
                 finally:
-                    torch.set_autocast_enabled(device_type, False)
+                    torch.set_autocast_enabled(device_type, before)
         except BaseException as error:  # noqa: BLE001 - any failure: ask every type
             failed.append(error)
 
-    thread = threading.Thread(target=probe, name="dbo-autocast-probe", daemon=True)
-    thread.start()
-    thread.join(10.0)
+    try:
+        thread = threading.Thread(target=probe, name="dbo-autocast-probe", daemon=True)
+        thread.start()
+        thread.join(10.0)
+    except Exception:  # noqa: BLE001 - no thread to probe in (a restricted runtime)
+        return unusable
     if failed or thread.is_alive():
-        return _AUTOCAST_DEVICE_TYPES
-    return tuple(missed)
+        return unusable
+    return query, tuple(missed)
 
 
-_AUTOCAST_MISSED_BY_ANY = _types_the_any_query_misses()
+_is_any_autocast_enabled, _AUTOCAST_MISSED_BY_ANY = _probe_any_autocast_query(
+    getattr(torch._C, "_is_any_autocast_enabled", None)
+)
 
 
 def _enabled_autocasts() -> tuple[tuple[str, torch.dtype], ...]:

@@ -426,19 +426,54 @@ def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
     assert seen == [True, True]
 
 
+def _raising_query() -> bool:
+    raise TypeError("a torch whose query takes other arguments")
+
+
+def _failing_start(self: threading.Thread) -> None:
+    raise RuntimeError("can't start new thread")
+
+
+@pytest.mark.parametrize(
+    "case", ["no query", "query raises", "no thread", "autocast already on"]
+)
+def test_an_any_autocast_query_that_cannot_be_trusted_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Then every type is asked on every call (and importing dbo never fails for it)."""
+    every = _thread_settings._AUTOCAST_DEVICE_TYPES
+    query: Any = torch._C._is_any_autocast_enabled
+    if case == "no query":
+        query = None
+    elif case == "query raises":
+        query = _raising_query
+    elif case == "no thread":
+        monkeypatch.setattr(threading.Thread, "start", _failing_start)
+    else:  # as in a green thread that shares the importer's OS thread and flags
+        query = lambda: True  # noqa: E731
+    assert _thread_settings._probe_any_autocast_query(query) == (None, every)
+
+
 def test_without_the_any_query_every_autocast_type_is_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_thread_settings, "_is_any_autocast_enabled", None)
-    assert _thread_settings._types_the_any_query_misses() == (
-        _thread_settings._AUTOCAST_DEVICE_TYPES
-    )
     monkeypatch.setattr(
         _thread_settings, "_AUTOCAST_MISSED_BY_ANY", _thread_settings._AUTOCAST_DEVICE_TYPES
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _thread_settings.capture().autocast == (("cpu", torch.bfloat16),)
     assert _thread_settings.capture().autocast == ()
+
+
+def test_the_probe_leaves_the_importing_threads_autocast_alone() -> None:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        query, missed = _thread_settings._probe_any_autocast_query(
+            torch._C._is_any_autocast_enabled
+        )
+        assert torch.is_autocast_enabled("cpu")
+    assert query is torch._C._is_any_autocast_enabled
+    assert missed == _thread_settings._AUTOCAST_MISSED_BY_ANY
 
 
 @pytest.mark.skipif(
