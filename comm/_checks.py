@@ -29,7 +29,9 @@ class GroupFacts(NamedTuple):
     size: int
     """`group.size()`."""
     is_nccl: bool
-    """Whether torch names the group's backend nccl (also "cpu:gloo,cuda:nccl")."""
+    """Whether `group.name()` is nccl, as for a group created with backend
+    "cpu:gloo,cuda:nccl" too (the checks then refuse CPU tensors before launching,
+    as they did before this cache)."""
 
 
 _known: dict[int, tuple[weakref.ref[dist.ProcessGroup], GroupFacts]] = {}
