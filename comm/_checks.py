@@ -29,9 +29,9 @@ class GroupFacts(NamedTuple):
     size: int
     """`group.size()`."""
     is_nccl: bool
-    """Whether `group.name()` is nccl, as for a group created with backend
-    "cpu:gloo,cuda:nccl" too (the checks then refuse CPU tensors before launching,
-    as they did before this cache)."""
+    """Whether `group.name()` is nccl, as it is for a group created with backend
+    "cpu:gloo,cuda:nccl" too (the checks then refuse CPU tensors on it before
+    launching)."""
 
 
 _known: dict[int, tuple[weakref.ref[dist.ProcessGroup], GroupFacts]] = {}
