@@ -10,6 +10,10 @@ ubatches run these ways:
 
 - serial:   ubatch 0's loop, then ubatch 1's (blocking collectives, no overlap);
 - DBO:      `dbo.overlap(loop)(x)` with `comm.all_to_all_single` (per-ubatch groups);
+- DBO raw:  the same overlap, but each collective written by hand on the ubatch's group:
+            `dist.all_to_all_single(async_op=True)`, `dbo.yield_()`, `wait()`, so that
+            DBO / DBO raw is `comm`'s share of DBO's time and DBO raw / threads the
+            runtime's (its per-call work and its baton);
 - pipeline: one thread, by hand: launch ubatch u's all-to-all async, compute the other
             ubatch, wait; the schedule DBO reaches without rewriting the loop;
 - threads:  DBO's schedule on two bare threads, each parked on the wake-up dbo uses, no dbo;
@@ -187,6 +191,25 @@ class Workload:
         step = self._overlapped.get(group)
         if step is None:  # wrapped once per group, as a model's forward would be
             step = self._overlapped[group] = dbo.overlap(lambda x: self.loop(x, group))
+        return step(self.x)
+
+    def dbo_raw(self, groups: tuple[Any, Any]) -> torch.Tensor:
+        """DBO with each collective written by hand (no `comm`)."""
+        step = self._overlapped.get("raw")
+        if step is None:
+
+            def loop(x: torch.Tensor) -> torch.Tensor:
+                group = groups[dbo.current_ubatch_id()]
+                for _ in range(self.num_layers):
+                    x = self.compute(x)
+                    out = torch.empty_like(x)
+                    work = dist.all_to_all_single(out, x, group=group, async_op=True)
+                    dbo.yield_()  # the other ubatch runs while this one's data moves
+                    work.wait()
+                    x = out
+                return x
+
+            step = self._overlapped["raw"] = dbo.overlap(loop)
         return step(self.x)
 
     def pipeline(self, groups: tuple[Any, Any]) -> torch.Tensor:
@@ -390,12 +413,15 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, queue: Any) -> No
         modes: dict[str, Callable[[], Any]] = {
             "serial": work.serial,
             "dbo": work.dbo,
+            "dbo raw": lambda work=work: work.dbo_raw(groups),
             "pipeline": lambda work=work: work.pipeline(groups),
             "threads": lambda work=work, pair=pair: work.threads(pair),
             "dbo, one group": lambda work=work: work.dbo(shared),
             "pipeline, one group": lambda work=work: work.pipeline((shared, shared)),
         }
-        ratios = [("dbo", "pipeline"), ("dbo", "threads")]
+        ratios = [
+            ("dbo", "pipeline"), ("dbo", "threads"), ("dbo", "dbo raw"), ("dbo raw", "threads")
+        ]
         if args.greenlets:
             glets = TwoGreenlets(work, groups)
             modes["greenlets"] = lambda glets=glets: torch.cat(glets.run())
@@ -464,6 +490,18 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{_span(row, 'dbo/pipeline', 'lo', 'hi'):>13}"
             f"{_span(row, 'dbo/threads', 'q1', 'q3'):>16}"
             f"{_span(row, 'dbo/threads', 'lo', 'hi'):>13}{_verdict(row, 'dbo/pipeline'):>14}"
+        )
+    print(
+        "\nWhere DBO's time goes (same rounds): comm = DBO over DBO with the collectives "
+        "written by hand (dist async + dbo.yield_() + wait);\nruntime = that over the bare "
+        "threads (dbo's per-call work and baton); median and 95% CI"
+    )
+    print(f"{'per ubatch':<17}{'comm':>7}{'CI':>13}{'runtime':>9}{'CI':>13}")
+    for row in report["rows"]:
+        print(
+            f"{row['label']:<17}{row['dbo/dbo raw']:7.2f}"
+            f"{_span(row, 'dbo/dbo raw', 'lo', 'hi'):>13}{row['dbo raw/threads']:9.2f}"
+            f"{_span(row, 'dbo raw/threads', 'lo', 'hi'):>13}"
         )
     with_greenlets = [row for row in report["rows"] if "greenlets" in row]
     if with_greenlets:

@@ -1,8 +1,9 @@
 """`benchmarks/comm_overlap.py` runs end to end on a tiny configuration.
 
-The benchmark checks that every mode (serial, DBO, the hand-written pipeline, the bare
-two-thread schedule, one shared group) computes exactly the serial result before it
-times anything, so a run that exits 0 also says the modes agree.
+The benchmark checks that every mode (serial, DBO, DBO with hand-written collectives,
+the hand-written pipeline, the bare two-thread schedule, one shared group) computes
+exactly the serial result before it times anything, so a run that exits 0 also says the
+modes agree.
 """
 
 from __future__ import annotations
@@ -35,8 +36,15 @@ def test_comm_overlap_benchmark_runs_and_prints_every_column() -> None:
     for column in ("DBO", "pipe", "thr", "DBO/pipe", "DBO/thr"):
         assert column in header.split(), column
     rows = [line for line in lines if line.startswith("16 KB, c~1m")]
-    assert len(rows) == 2, completed.stdout  # the step times and the ratios' spread
+    # the step times, the ratios' spread, and where DBO's time goes
+    assert len(rows) == 3, completed.stdout
     assert rows[1].split()[-1] in ("faster", "tie", "slower"), rows[1]
+    shares = next(line for line in lines if line.startswith("per ubatch") and "comm" in line)
+    assert shares.split()[2:] == ["comm", "CI", "runtime", "CI"], shares
+    comm_share, comm_ci, runtime_share, runtime_ci = rows[2].split()[3:]
+    for share, interval in ((comm_share, comm_ci), (runtime_share, runtime_ci)):
+        low, high = (float(bound) for bound in interval.split("-"))
+        assert low <= float(share) <= high, rows[2]
 
 
 def _benchmark_module() -> Any:
