@@ -406,14 +406,14 @@ def _require_world_chunks(
     chunk_name: str,
     chunk: torch.Tensor,
     group: dist.ProcessGroup,
+    world_size: int,
 ) -> None:
     """`whole` must hold one `chunk` per rank (all-gather output, reduce-scatter input),
     in a layout the backend takes. NCCL checks only the element counts, so any shapes do
     (e.g. the stack [world_size, *chunk.shape]). gloo takes only the concatenation along
     dim 0, [world_size * chunk.shape[0], *chunk.shape[1:]], and rejects the rest inside
     the launch (a 0-dim reduce-scatter output crashes the process), so on every non-NCCL
-    backend other layouts are refused here, before any launch."""
-    world_size = group.size()
+    backend other layouts are refused here, before any launch. `world_size`: `group`'s size."""
     if whole.numel() != world_size * chunk.numel():
         raise ValueError(
             f"{whole_name} must hold world_size * {chunk_name}.numel() = {world_size} * "
@@ -555,7 +555,9 @@ def all_gather_into_tensor(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
-    _require_world_chunks("all_gather_into_tensor", "output", output, "input", input, base)
+    _require_world_chunks(
+        "all_gather_into_tensor", "output", output, "input", input, base, facts.size
+    )
     return _run(
         "all_gather_into_tensor", _launch.all_gather_into_tensor,
         (output, input), (output, input), base, async_op,
@@ -589,7 +591,9 @@ def reduce_scatter_tensor(
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
     require_reduce_op(op)
-    _require_world_chunks("reduce_scatter_tensor", "input", input, "output", output, base)
+    _require_world_chunks(
+        "reduce_scatter_tensor", "input", input, "output", output, base, facts.size
+    )
     return _run(
         "reduce_scatter_tensor", _launch.reduce_scatter_tensor,
         (output, input, op), (output, input), base, async_op,
