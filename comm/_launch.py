@@ -117,15 +117,16 @@ reused while it is cached. Sharing is safe: the process-group methods take the o
 by const reference and only read them (with the GIL released, from any thread)."""
 
 
-def _options(direct: _Direct, async_op: bool, reduce_op: Any = None) -> Any:
-    """The options for a launch of `direct`. `reduce_op`: a `ReduceOp.RedOpType` (an
-    enum value: cached) or a `ReduceOp` (it may carry a scalar: built each time)."""
+def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
+    """The options for a launch of a reducing `direct` (the others use its
+    `plain_options`). `reduce_op`: a `ReduceOp.RedOpType` (an enum value: cached) or a
+    `ReduceOp` (it may carry a scalar: built each time)."""
     key = (direct.options_type, async_op, id(reduce_op))
     cached = _options_cache.get(key)
     if cached is not None and cached[0] is reduce_op:
         return cached[1]
     options = _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
-    if reduce_op is None or type(reduce_op) is _RedOpType:
+    if type(reduce_op) is _RedOpType:
         _options_cache[key] = (reduce_op, options)
     return options
 
