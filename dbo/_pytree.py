@@ -221,8 +221,12 @@ def _rebuild_dataclass(
     node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
 ) -> Any:
     """Call the constructor with the init fields, so that `__post_init__` derives fields
-    from the new contents; then set the exposed `init=False` fields. A dataclass whose
-    constructor takes other parameters (an `InitVar`) is copied and its fields set."""
+    from the new contents; then set the exposed `init=False` fields, and the tensors
+    again: the values are already what a `__post_init__` made of them once, and one
+    that transforms a field (`self.pixels = self.pixels / 255`, an `unsqueeze`) must not
+    apply twice, while the values it derives (a row count) must follow the part. A
+    dataclass whose constructor takes other parameters (an `InitVar`) is copied and its
+    fields set."""
     init_names = _constructor_fields(node_type)
     if init_names is None:
         rebuilt = copy.copy(template)
@@ -231,8 +235,9 @@ def _rebuild_dataclass(
         return rebuilt
     items = dict(zip(keys, values))
     rebuilt = node_type(**{key: items[key] for key in init_names if key in items})
+    post_init = hasattr(node_type, "__post_init__")
     for key, value in items.items():
-        if key not in init_names:
+        if key not in init_names or (post_init and isinstance(value, torch.Tensor)):
             object.__setattr__(rebuilt, key, value)
     return rebuilt
 
@@ -254,7 +259,14 @@ def _shell_of(template: Any) -> Any:
     if not isinstance(reduced, tuple):
         return copy.copy(template)
     function, arguments, *rest = reduced
-    shell = function(*arguments)
+    try:
+        shell = function(*arguments)
+    except TypeError:
+        # A constructor that needs arguments its pickle form does not give (a dict
+        # subclass whose __init__ takes a name): an instance made without __init__,
+        # with the template's attributes (copied over below).
+        cls: Any = type(template)
+        shell = cls.__new__(cls)
     state = rest[0] if rest else None
     if state is not None:
         set_state = getattr(shell, "__setstate__", None)
@@ -352,11 +364,11 @@ def rebuild(
     kind: str, node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
 ) -> Any:
     """A container like `template` (of `kind`, as `children` described it) holding `values`."""
-    if kind == "namedtuple":
-        return node_type(*values)
     if kind in ("tuple", "list", "structseq"):
         return node_type(values)
-    if kind == "tuple subclass":
+    if kind in ("namedtuple", "tuple subclass"):
+        # Without the constructor: a subclass's own `__new__` may transform its
+        # arguments (already transformed once), like namedtuple's `_make`.
         rebuilt: Any = tuple.__new__(node_type, values)
         state = getattr(template, "__dict__", None)
         if state:

@@ -34,12 +34,17 @@ class OverlapRun:
         streams: list[UBatchStreams],
         owner: object,
         wakeups: Sequence[Any] | None = None,
+        parent: OverlapRun | None = None,
     ) -> None:
         self.num_ubatches = num_ubatches
         self.backend = backend
         self.streams = streams
         self.owner = owner
         """The runner that started this run (to refuse a run of the same runner inside it)."""
+        self.parent = parent
+        """The run whose ubatch thread started this one (a bare runner's ubatch running
+        another runner), if any: a run of any runner up this chain, asked for inside
+        this run, would wait for itself."""
         self.baton = Baton(num_ubatches, wakeups)
         self.on_comm = [False] * num_ubatches
         self.fork_event: Any = None
@@ -92,13 +97,14 @@ class OverlapRun:
 
     def run_remaining_hooks(self, ubatch_id: int) -> None:
         """At a ubatch's normal end: run the hooks still pending for it, then the hooks it
-        registered for a ubatch that has already finished (nobody else would run them).
-        Idempotent."""
+        registered for a ubatch that has already finished (nobody else would run them),
+        until none is left (a hook run here that registers another, a two-stage receive,
+        registers it for that finished ubatch again). Idempotent."""
         self.maybe_run_recv_hook(ubatch_id)
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
-        if self._finished[target]:
-            self.maybe_run_recv_hook(target, running=ubatch_id)
+        while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
+            pass
 
     # ------------------------------------------------------------------ ubatch-side API
     def current_stream(self, ubatch_id: int) -> Any:

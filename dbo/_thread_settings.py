@@ -208,6 +208,7 @@ class applied:  # noqa: N801 - used like the function-style context managers
             torch.cuda.set_device(settings.cuda_device)
         if (
             not settings.inference_mode
+            and not torch.is_inference_mode_enabled()
             and not settings.autocast
             and torch.is_grad_enabled() == settings.grad_enabled
             and settings.default_device == default_device()
@@ -216,8 +217,8 @@ class applied:  # noqa: N801 - used like the function-style context managers
         ):
             return
         with ExitStack() as stack:  # unwinds what was entered if an enter fails
-            if settings.inference_mode:
-                stack.enter_context(torch.inference_mode(True))
+            if settings.inference_mode or torch.is_inference_mode_enabled():
+                stack.enter_context(torch.inference_mode(settings.inference_mode))
             stack.enter_context(torch.set_grad_enabled(settings.grad_enabled))
             for device_type, dtype in settings.autocast:
                 stack.enter_context(
@@ -249,3 +250,23 @@ class applied:  # noqa: N801 - used like the function-style context managers
             # thread applied so that the next run sets the caller's count again.
             if torch.get_num_threads() != _applied.num_threads:
                 _applied.num_threads = None
+            _clear_leftovers()
+
+
+_pop_saved_tensors_hooks = getattr(_autograd, "_pop_saved_tensors_default_hooks", None)
+_enable_saved_tensors_hooks = getattr(_autograd, "_saved_tensors_hooks_enable", None)
+
+
+def _clear_leftovers() -> None:
+    """Turn off what `fn` switched on in this worker thread and left on (an autocast
+    set with `torch.set_autocast_enabled`, saved-tensor hooks entered and never exited):
+    workers are pooled, and a later, unrelated overlap call would run under it. The
+    caller's own settings are entered per call and unwound before this. Grad mode and
+    the default device need nothing here: the next call compares and sets them."""
+    for device_type, _ in _enabled_autocasts():
+        torch.set_autocast_enabled(device_type, False)
+    if _pop_saved_tensors_hooks is not None:
+        while _top_saved_tensors_hooks(True) is not None:
+            _pop_saved_tensors_hooks()
+    if _enable_saved_tensors_hooks is not None and _saved_tensors_hooks_disabled() is not None:
+        _enable_saved_tensors_hooks()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import inspect
 import os
 import threading
 import time
@@ -214,7 +216,9 @@ def overlap(
             `torch.distributed.group.WORLD`) whose ranks decide together: the local batch
             sizes are all-reduced (MIN) on it, one small collective per call, and every
             rank overlaps only if every rank's batch passes the thresholds above. Required
-            when ranks may see different batch sizes and `fn` communicates.
+            when ranks may see different batch sizes and `fn` communicates. A rank whose
+            input cannot be sized (tensors whose dim 0 differ) still takes part before it
+            raises, and every other rank then raises RuntimeError instead of waiting.
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
@@ -239,6 +243,17 @@ def overlap(
         )
     if not callable(fn):
         raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
+    if (
+        inspect.iscoroutinefunction(fn)
+        or inspect.isasyncgenfunction(fn)
+        or inspect.isgeneratorfunction(fn)
+    ):
+        # Calling one returns a coroutine or generator without running its body: the
+        # ubatches would end at once and the body would run later, outside the overlap.
+        raise TypeError(
+            f"dbo.overlap needs a plain function; {fn!r} is a coroutine or generator "
+            "function, whose body would run after the overlap, not in its ubatches"
+        )
     target = fn
 
     def inline(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -260,10 +275,21 @@ def overlap(
         start = time.perf_counter() if recording is not None else 0.0
         name = "dbo.overlap"
         try:
-            leaves = splittable_leaves(args, kwargs)
-            size = batch_size_of(leaves) if split is None else _largest_size(leaves)
+            try:
+                leaves = splittable_leaves(args, kwargs)
+                size = batch_size_of(leaves) if split is None else _largest_size(leaves)
+            except Exception:
+                if decision_group is not None:
+                    _report_failure_to_ranks(decision_group)
+                raise
             if decision_group is not None:
                 size = _smallest_batch_across_ranks(0 if size is None else size, decision_group)
+                if size == _FAILED_RANK:
+                    raise RuntimeError(
+                        "dbo.overlap: another rank of decision_group could not size its "
+                        "input (its own error says why), so no rank runs the function: "
+                        "they would wait for that rank's collectives"
+                    )
             if size is None or size < num_ubatches or (
                 min_batch_size is not None and size < min_batch_size
             ):
@@ -321,6 +347,18 @@ def _describe_part(part: Any) -> str:
     if isinstance(part, tuple) and len(part) == 2:
         return f"a pair of ({type(part[0]).__name__}, {type(part[1]).__name__})"
     return f"a {type(part).__name__}"
+
+
+_FAILED_RANK = -1
+"""What a rank whose input cannot be sized contributes to the decision: the MIN tells
+every rank, which then raises instead of running `fn` without it."""
+
+
+def _report_failure_to_ranks(group: Any) -> None:
+    """Take part in the decision of a call that is about to raise, so that the other
+    ranks raise too instead of waiting in the decision (or in `fn`'s collectives)."""
+    with contextlib.suppress(Exception):  # this rank's own error says more
+        _smallest_batch_across_ranks(_FAILED_RANK, group)
 
 
 def _smallest_batch_across_ranks(local_size: int, group: Any) -> int:

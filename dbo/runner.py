@@ -222,11 +222,17 @@ class UBatchRunner:
 
     def _refuse_own_ubatch_thread(self, what: str) -> None:
         context = current_context()
-        if context is not None and getattr(context.scheduler, "owner", None) is self:
-            raise RuntimeError(
-                f"UBatchRunner.{what} was called from one of its own ubatch threads, which "
-                f"would wait for itself; a nested overlap runs inline (dbo.overlap does this)"
-            )
+        run = context.scheduler if context is not None else None
+        nested = False
+        while run is not None:
+            if getattr(run, "owner", None) is self:
+                where = "a run nested in one of its own" if nested else "one of its own"
+                raise RuntimeError(
+                    f"UBatchRunner.{what} was called from a ubatch thread of {where} runs, "
+                    f"which would wait for itself; a nested overlap runs inline "
+                    f"(dbo.overlap does this)"
+                )
+            run, nested = getattr(run, "parent", None), True
 
     def __enter__(self) -> UBatchRunner:
         return self
@@ -330,9 +336,11 @@ class UBatchRunner:
         device: torch.device | None,
     ) -> list[Any]:
         backend, streams = self._backend_and_streams(inputs, device)
+        context = current_context()
         run = OverlapRun(
             self.num_ubatches, backend, streams, owner=self,
             wakeups=[worker.wake for worker in self._workers],
+            parent=context.scheduler if context is not None else None,
         )
         settings = _thread_settings.capture()
         caller_stream = backend.current_stream()

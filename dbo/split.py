@@ -238,8 +238,14 @@ def _same(a: Any, b: Any) -> bool:
         return True  # a NaN loss or metric from every ubatch is one value
     try:
         return bool(a == b)
-    except Exception:
-        return False
+    except Exception:  # noqa: BLE001 - an elementwise == (numpy arrays), or none at all
+        pass
+    try:  # arrays of one type and shape: equal when every element is
+        if type(a) is type(b) and a.shape == b.shape:
+            return bool((a == b).all())
+    except Exception:  # noqa: BLE001 - not comparable: different
+        pass
+    return False
 
 
 def merge_parts(outputs: Sequence[Any]) -> list[Any]:

@@ -55,3 +55,42 @@ def test_ranks_agree_on_overlap_or_inline() -> None:
         assert outcome["every rank large enough"][0] == [True, True], (rank, outcome)
         expected_rows = {0: (2, 1, 8), 1: (8, 8, 6)}[rank]
         assert tuple(o[1] for o in outcome.values()) == expected_rows
+
+
+def _one_rank_cannot_size_its_input() -> dict[str, object]:
+    rank, _, _ = comm.init_distributed(timeout_s=60)  # a hang would outlast the test
+    calls: list[int] = []
+
+    def layer(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        comm.all_reduce(x)
+        return x + y
+
+    step = dbo.overlap(layer, decision_group=dist.group.WORLD, timeout_s=20)
+    # Rank 0's tensors disagree on dim 0: it cannot split them.
+    y = torch.zeros(3 if rank == 0 else 4, 2)
+    try:
+        step(torch.zeros(4, 2), y)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        outcome: dict[str, object] = {"error": type(error).__name__, "message": str(error)}
+    else:
+        outcome = {"error": None}
+    outcome["calls"] = len(calls)
+    # The group is still usable: nobody was left inside a collective.
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    outcome["after"] = float(ones.item())
+    return outcome
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_cannot_size_its_input_makes_every_rank_raise_not_wait() -> None:
+    values = expect_ok(run_world(_one_rank_cannot_size_its_input, 2, timeout_s=45))
+    assert values[0]["error"] == "ValueError", values[0]
+    assert values[1]["error"] == "RuntimeError", values[1]
+    assert "another rank of decision_group could not size its input" in str(
+        values[1]["message"]
+    )
+    for value in values:
+        assert value["calls"] == 0, value
+        assert value["after"] == 2.0, value

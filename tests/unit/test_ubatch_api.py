@@ -179,8 +179,27 @@ def test_runner_refuses_to_run_inside_its_own_ubatch() -> None:
         def fn() -> None:
             runner.run(lambda: None, [((), {}), ((), {})])
 
-        with pytest.raises(RuntimeError, match="own ubatch threads"):
+        with pytest.raises(RuntimeError, match="ubatch thread of one of its own runs"):
             runner.run(fn, [((), {}), ((), {})])
+
+
+def test_runner_refuses_to_run_inside_a_run_nested_in_its_own() -> None:
+    """Runner A's ubatch runs runner B, whose ubatch asks A for a run: A's run lock is
+    held by the run that waits for B, so the call would wait for itself."""
+    parts = [((), {}), ((), {})]
+    with dbo.UBatchRunner(num_ubatches=2) as outer, dbo.UBatchRunner(num_ubatches=2) as inner:
+
+        def innermost() -> None:
+            outer.run(lambda: None, parts)
+
+        def middle() -> None:
+            if dbo.current_ubatch_id() == 0:
+                inner.run(innermost, parts)
+
+        with pytest.raises(RuntimeError, match="a run nested in one of its own runs"):
+            outer.run(middle, parts, timeout_s=30.0)
+        assert outer.run(lambda: 1, parts) == [1, 1]  # both still usable
+        assert inner.run(lambda: 2, parts) == [2, 2]
 
 
 def test_concurrent_callers_are_serialized() -> None:

@@ -1,0 +1,272 @@
+"""What one overlapped call must not leave to the next, and containers that must not be
+rebuilt twice.
+
+Ubatch workers are pooled: thread-local torch state that `fn` switches on and never
+switches off would otherwise reach later, unrelated calls (run in the same workers),
+while a direct call would have left it in the caller's thread for the caller to see.
+Containers are rebuilt for every part and for the merged output: code that runs on
+construction (`__post_init__`, a namedtuple's `__new__`) has already run once on the
+values and must not transform them again. Last, values the merge and the wrapper refused
+wrongly (equal arrays, a dict subclass with a required argument) or too late (a
+coroutine function, whose body would run after the overlap).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import dbo
+
+TIMEOUT_S = 30.0
+
+
+def _overlap(fn: Any, **options: Any) -> Any:
+    return dbo.overlap(fn, timeout_s=TIMEOUT_S, **options)
+
+
+def _innocent(x: torch.Tensor) -> torch.Tensor:
+    return x @ torch.eye(x.shape[1])
+
+
+# ------------------------------------------------------------ state left in the workers
+def test_an_autocast_fn_switched_on_and_left_on_does_not_reach_the_next_call() -> None:
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        torch.set_autocast_enabled("cpu", True)  # no `with`: never switched off
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        return x * 1
+
+    x = torch.randn(8, 4)
+    _overlap(leaky)(x)
+    assert not torch.is_autocast_enabled("cpu")  # the caller never saw it
+    seen: list[bool] = []
+
+    def innocent(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return _innocent(x)
+
+    y = _overlap(innocent)(x)
+    assert seen == [False, False]
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, _innocent(x), rtol=0, atol=0)
+
+
+def test_saved_tensor_hooks_fn_entered_and_never_exited_do_not_reach_the_next_call() -> None:
+    def refuse(_: torch.Tensor) -> Any:
+        raise RuntimeError("a pack hook left behind by an earlier call")
+
+    def leaves_hooks(x: torch.Tensor) -> torch.Tensor:
+        torch.autograd.graph.saved_tensors_hooks(refuse, lambda packed: packed).__enter__()
+        return x * 1
+
+    def leaves_hooks_disabled(x: torch.Tensor) -> torch.Tensor:
+        torch.autograd.graph.disable_saved_tensors_hooks("left disabled").__enter__()
+        return x * 1
+
+    x = torch.randn(8, 4, requires_grad=True)
+    _overlap(leaves_hooks)(x)
+    y = _overlap(lambda t: t * t)(x)  # saves t for backward: the hook would raise
+    y.sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+    _overlap(leaves_hooks_disabled)(x)
+    with torch.autograd.graph.save_on_cpu():  # the caller's hooks, refused if disabled
+        y = _overlap(lambda t: t * t)(x)
+    assert y.requires_grad
+
+
+def test_an_inference_mode_fn_entered_and_never_exited_does_not_reach_the_next_call() -> None:
+    guards: list[Any] = []  # a guard kept alive keeps the worker in inference mode
+
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        guard = torch.inference_mode()
+        guard.__enter__()
+        guards.append(guard)
+        return x * 1
+
+    x = torch.randn(8, 4, requires_grad=True)
+    parts = [((part,), {}) for part in x.tensor_split(2)]
+    with dbo.UBatchRunner(num_ubatches=2) as runner:  # its own workers: left for good
+        runner.run(leaky, parts, timeout_s=TIMEOUT_S)
+        outputs = runner.run(lambda t: t * 2, parts, timeout_s=TIMEOUT_S)
+    assert len(guards) == 2
+    for output in outputs:
+        assert not output.is_inference()
+        assert output.requires_grad
+
+
+def test_the_callers_autocast_still_reaches_every_call_after_a_leak() -> None:
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        torch.set_autocast_enabled("cpu", True)
+        return x * 1
+
+    x = torch.randn(8, 4)
+    _overlap(leaky)(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _overlap(_innocent)(x).dtype == torch.bfloat16
+    assert _overlap(_innocent)(x).dtype == torch.float32
+
+
+# ------------------------------------------------------- construction code runs once
+@dataclasses.dataclass
+class NormalizedBatch:
+    pixels: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.pixels = self.pixels.float() / 255  # uint8 in, [0, 1] floats kept
+
+
+@dataclasses.dataclass
+class Unsqueezed:
+    logits: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.logits = self.logits.unsqueeze(1)  # [B, V] -> [B, 1, V]
+
+
+@dataclasses.dataclass
+class Counted:
+    x: torch.Tensor
+    rows: int = 0
+
+    def __post_init__(self) -> None:
+        self.rows = int(self.x.shape[0])  # derived: must follow the part
+
+
+class Scaled(collections.namedtuple("Scaled", "a b")):  # noqa: PYI024 - a plain namedtuple base
+    def __new__(cls, a: Any, b: Any) -> Scaled:
+        return super().__new__(cls, a, b * 10)
+
+
+def test_an_input_dataclass_whose_post_init_transforms_a_field_is_not_transformed_again() -> None:
+    batch = NormalizedBatch(torch.full((4, 3), 255, dtype=torch.uint8))
+    out = _overlap(lambda b: b.pixels.sum(dim=1))(batch)
+    torch.testing.assert_close(out, torch.full((4,), 3.0), rtol=0, atol=0)
+
+
+def test_an_output_dataclass_whose_post_init_transforms_a_field_keeps_its_shape() -> None:
+    x = torch.randn(4, 5)
+    out = _overlap(lambda t: Unsqueezed(t * 1))(x)
+    assert isinstance(out, Unsqueezed)
+    assert out.logits.shape == (4, 1, 5)
+    torch.testing.assert_close(out.logits, x.unsqueeze(1), rtol=0, atol=0)
+
+
+def test_a_value_post_init_derives_still_follows_each_part() -> None:
+    seen: list[int] = []
+
+    def fn(batch: Counted) -> torch.Tensor:
+        seen.append(batch.rows)
+        return batch.x * 1
+
+    out = _overlap(fn)(Counted(torch.arange(6.0)))
+    assert seen == [3, 3]
+    torch.testing.assert_close(out, torch.arange(6.0), rtol=0, atol=0)
+
+
+def test_a_namedtuple_whose_new_transforms_a_field_is_not_transformed_again() -> None:
+    x = torch.arange(4.0)
+    value = Scaled(x, torch.ones(4))
+    out = _overlap(lambda p: p)(value)
+    assert type(out) is Scaled
+    torch.testing.assert_close(out.b, torch.full((4,), 10.0), rtol=0, atol=0)
+    torch.testing.assert_close(out.a, x, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------ recv hooks
+@pytest.mark.parametrize("num_ubatches", [2, 3])
+def test_a_hook_registered_by_a_hook_run_for_a_finished_ubatch_still_runs(
+    num_ubatches: int,
+) -> None:
+    ran: list[str] = []
+
+    def second() -> None:
+        ran.append("second")
+
+    def first() -> None:
+        ran.append("first")
+        dbo.register_recv_hook(second)  # a two-stage receive
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == num_ubatches - 1:
+            dbo.register_recv_hook(first)  # for ubatch 0, which has already returned
+        return x
+
+    _overlap(fn, num_ubatches=num_ubatches)(torch.zeros(num_ubatches))
+    assert ran == ["first", "second"]
+
+
+# ---------------------------------------------------- refused wrongly, or refused late
+class ElementwiseEqual:
+    """Like a numpy array: `==` is elementwise, and its truth value is ambiguous."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = list(values)
+        self.shape = (len(values),)
+
+    def __eq__(self, other: object) -> Any:
+        if not isinstance(other, ElementwiseEqual):
+            return NotImplemented
+        return _Elementwise([a == b for a, b in zip(self.values, other.values)])
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Elementwise:
+    def __init__(self, flags: list[bool]) -> None:
+        self.flags = flags
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value of an array with more than one element is ambiguous")
+
+    def all(self) -> bool:
+        return all(self.flags)
+
+
+def test_equal_array_like_leaves_from_every_ubatch_merge_as_one_value() -> None:
+    out = _overlap(lambda t: (t * 1, ElementwiseEqual([0, 1, 2])))(torch.zeros(4))
+    assert out[1].values == [0, 1, 2]
+
+
+def test_array_like_leaves_that_differ_are_still_refused() -> None:
+    def fn(t: torch.Tensor) -> Any:
+        return t * 1, ElementwiseEqual([dbo.current_ubatch_id(), 1])
+
+    with pytest.raises(ValueError, match="different non-tensor values"):
+        _overlap(fn)(torch.zeros(4))
+
+
+class NamedBatch(collections.OrderedDict):  # type: ignore[type-arg]
+    def __init__(self, name: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.name = name
+
+
+def test_a_dict_subclass_whose_init_needs_an_argument_is_split_and_merged() -> None:
+    x = torch.arange(8.0).reshape(4, 2)
+
+    def fn(batch: NamedBatch) -> NamedBatch:
+        return NamedBatch(batch.name, y=batch["x"] * 2)
+
+    out = _overlap(fn)(NamedBatch("batch", x=x))
+    assert type(out) is NamedBatch
+    assert out.name == "batch"
+    torch.testing.assert_close(out["y"], x * 2, rtol=0, atol=0)
+
+
+async def _coroutine_function(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _generator_function(x: torch.Tensor) -> Any:
+    yield x
+
+
+@pytest.mark.parametrize("fn", [_coroutine_function, _generator_function])
+def test_a_coroutine_or_generator_function_is_refused_when_wrapped(fn: Any) -> None:
+    with pytest.raises(TypeError, match="coroutine or generator function"):
+        dbo.overlap(fn)
