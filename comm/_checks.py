@@ -141,6 +141,12 @@ def require_same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tens
 
 
 def require_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if tensor.layout is not torch.strided:  # sparse: "contiguous" does not apply
+        raise TypeError(
+            f"{name} is a {tensor.layout} tensor; comm's collectives take dense (strided) "
+            f"tensors: pass {name}.to_dense(), or call torch.distributed directly (gloo "
+            "all-reduces sparse COO tensors)"
+        )
     if not tensor.is_contiguous():
         raise ValueError(
             f"{name} must be contiguous (shape {tuple(tensor.shape)}, stride "

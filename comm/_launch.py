@@ -117,6 +117,12 @@ reused while it is cached. Sharing is safe: the process-group methods take the o
 by const reference and only read them (with the GIL released, from any thread)."""
 
 
+_MAX_CACHED_OPTIONS = 64
+"""The cache's bound: an op made afresh per call (`ReduceOp.RedOpType(2)`, an op that
+was unpickled) is a new object, so a new key, every time; past the bound, options are
+built per call (as for a `ReduceOp` with a scalar)."""
+
+
 def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
     """The options for a launch of a reducing `direct` (the others use its
     `plain_options`). `reduce_op`: a `ReduceOp.RedOpType` (an enum value: cached) or a
@@ -126,7 +132,7 @@ def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
     if cached is not None and cached[0] is reduce_op:
         return cached[1]
     options = _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
-    if type(reduce_op) is _RedOpType:
+    if type(reduce_op) is _RedOpType and len(_options_cache) < _MAX_CACHED_OPTIONS:
         _options_cache[key] = (reduce_op, options)
     return options
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -117,7 +118,7 @@ class CollectiveWork:
         self._waited = False  # a wait() began: later ones never yield
         self._done = False
         self._error: BaseException | None = None
-        self._exit_cell: list[CollectiveWork] = []
+        self._exit_cell: weakref.ref[_ExitCell] | None = None
         self._name = name
 
     @property
@@ -201,7 +202,9 @@ class CollectiveWork:
 
     def _release(self) -> None:
         self._tensors = ()
-        self._exit_cell.clear()
+        cell = self._exit_cell() if self._exit_cell is not None else None
+        if cell is not None:
+            cell.handle = None
 
     def _abandon(self) -> None:
         _abandon(self._work, self._tensors)
@@ -276,10 +279,23 @@ def _abandon(work: Any, tensors: Sequence[torch.Tensor]) -> None:
         _abandoned.abandon(work)
 
 
-def _wait_left_over(cell: list[CollectiveWork]) -> None:
+class _ExitCell:
+    """Holds an async handle for the wait at its ubatch's end (`_wait_left_over`) until
+    the handle's own wait empties it. The handle refers to its cell weakly: a strong
+    reference both ways was a cycle, so a handle dropped by an aborted ubatch (whose
+    exit callbacks never run) lived on until the garbage collector ran, and was not
+    handed to `comm._abandoned` before the process could end."""
+
+    __slots__ = ("__weakref__", "handle")
+
+    def __init__(self, handle: CollectiveWork) -> None:
+        self.handle: CollectiveWork | None = handle
+
+
+def _wait_left_over(cell: _ExitCell) -> None:
     """At a ubatch's end: wait the handle in `cell` unless its wait() emptied it."""
-    if cell:
-        cell[0].wait(yield_first=False)
+    if cell.handle is not None:
+        cell.handle.wait(yield_first=False)
 
 
 def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any) -> None:
@@ -342,8 +358,9 @@ def _run(
             # that the end of the overlap covers the collective. The callback holds the
             # handle through a cell that wait() empties: a waited handle (its Work and
             # tensors) is not kept alive until the ubatch ends.
-            handle._exit_cell = [handle]
-            dbo.at_ubatch_exit(functools.partial(_wait_left_over, handle._exit_cell))
+            cell = _ExitCell(handle)
+            handle._exit_cell = weakref.ref(cell)
+            dbo.at_ubatch_exit(functools.partial(_wait_left_over, cell))
             return handle
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
@@ -365,16 +382,19 @@ def _check_pair(
     # (dtypes are singletons, so `is` compares them; two CPU tensors need no device
     # objects). Anything else goes through the detailed checks below, which say what is
     # wrong.
-    if (
-        isinstance(output, torch.Tensor)
-        and isinstance(input, torch.Tensor)
-        and output.dtype is input.dtype
-        and ((output.is_cpu and input.is_cpu) or output.device == input.device)
-        and output.is_contiguous()
-        and input.is_contiguous()
-        and (input.is_cuda or not facts.is_nccl)
-    ):
-        return output, input
+    try:
+        if (
+            isinstance(output, torch.Tensor)
+            and isinstance(input, torch.Tensor)
+            and output.dtype is input.dtype
+            and ((output.is_cpu and input.is_cpu) or output.device == input.device)
+            and output.is_contiguous()
+            and input.is_contiguous()
+            and (input.is_cuda or not facts.is_nccl)
+        ):
+            return output, input
+    except RuntimeError:  # a layout without strides (sparse CSR) refuses is_contiguous()
+        pass
     output = require_tensor("output", output)
     input = require_tensor("input", input)
     require_same_dtype("output", output, "input", input)
@@ -482,6 +502,12 @@ def all_to_all_single(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
+    if output.data_ptr() == input.data_ptr() and output.numel() and input.numel():
+        # Rows would be overwritten before they are sent (torch races the same way).
+        raise ValueError(
+            "all_to_all_single: output and input share memory; the rows received would "
+            "overwrite rows not yet sent. Use a separate output (torch.empty_like(input))"
+        )
     shape = output.shape
     same_shape = shape == input.shape
     if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
@@ -495,6 +521,16 @@ def all_to_all_single(
     ):
         output_splits = input_splits = None
     else:
+        # Even splits on both sides: every rank sends and receives as many rows.
+        if output_split_sizes is None and input_split_sizes is None and (
+            shape[0] != input.shape[0]
+        ):
+            raise ValueError(
+                f"without split sizes, output and input must have the same dim 0 (even "
+                f"parts of it go to and come from each rank), got {shape[0]} (output) "
+                f"and {input.shape[0]} (input); pass output_split_sizes and "
+                "input_split_sizes"
+            )
         output_splits = check_split_sizes(
             "output_split_sizes", output_split_sizes, "output", output, world_size
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,6 +47,9 @@ class _State:
 
     device: torch.device | None = None
     ubatch_groups_done: bool = False
+    world: weakref.ref[dist.ProcessGroup] | None = None
+    """The default group these answers are about (weakly): a world destroyed and
+    initialized again with torch's own calls is a new one, adopted afresh."""
 
 
 _state = _State()
@@ -157,6 +161,13 @@ def init_distributed(
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
 
+    if dist.is_initialized() and (
+        _state.world is None or _state.world() is not dist.GroupMember.WORLD
+    ):
+        # Not the world these answers are about (torch's own destroy and init ran in
+        # between): its device and duplicate groups are this world's to decide.
+        _state.device = None
+        _state.ubatch_groups_done = False
     if not dist.is_initialized():
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
@@ -175,6 +186,8 @@ def init_distributed(
         if num_ubatch_groups > 0 and world_size > 1:
             ubatch_groups(None, num_ubatch_groups)
         _state.ubatch_groups_done = True
+    world_group = dist.GroupMember.WORLD
+    _state.world = weakref.ref(world_group) if world_group is not None else None
     assert _state.device is not None, "set by the first initialization"
     return rank, world_size, _state.device
 
@@ -243,3 +256,4 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
     _state.device = None
     _state.ubatch_groups_done = False
+    _state.world = None

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from comm._checks import resolve_group
+from comm._checks import _still_registered, resolve_group
 
 
 class UBatchGroupRegistry:
@@ -99,6 +99,7 @@ class UBatchGroupRegistry:
                     f"group {base.group_name!r} is itself a per-ubatch duplicate; pass the "
                     "base group (the one you use in model code) to comm.ubatch_groups"
                 )
+            self._forget_destroyed()
             existing = self._duplicates.setdefault(base, [])
             if len(existing) < num_ubatches:
                 if dbo.enabled():
@@ -176,6 +177,14 @@ class UBatchGroupRegistry:
             use_local_synchronization=False,
             group_desc=f"dbo_ubatch{index}",
         )
+
+    def _forget_destroyed(self) -> None:
+        """Drop the duplicates of base groups that no longer exist (destroyed, with their
+        duplicates, by torch's own `destroy_process_group()`): they would be kept alive
+        here, and destroyed a second time (an error) by `destroy_ubatch_groups`."""
+        for base in [base for base in self._duplicates if not _still_registered(base)]:
+            for duplicate in self._duplicates.pop(base):
+                self._is_duplicate.discard(duplicate)
 
     def clear(self) -> list[dist.ProcessGroup]:
         """Forget every duplicate; return them (for the caller to destroy)."""
@@ -292,7 +301,9 @@ def ubatch_groups(
 
 
 def destroy_ubatch_groups() -> None:
-    """Destroy every duplicate group and forget them (before destroying the world)."""
+    """Destroy every duplicate group and forget them (before destroying the world).
+    Duplicates already gone (destroyed with their world by torch's own
+    `destroy_process_group()`) are only forgotten."""
     for duplicate in _registry.clear():
-        if dist.is_initialized():
+        if dist.is_initialized() and _still_registered(duplicate):
             dist.destroy_process_group(duplicate)

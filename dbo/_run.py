@@ -83,6 +83,17 @@ class OverlapRun:
     def add_exit_callback(self, ubatch_id: int, callback: Callable[[], Any]) -> None:
         self._exit_callbacks[ubatch_id].append(callback)
 
+    def drop_leftovers(self) -> None:
+        """After every ubatch has ended: forget the exit callbacks and recv hooks that an
+        aborted ubatch left (they never run). The caller's frame holds this run while
+        the error propagates (all the way to interpreter exit if nothing catches it), and
+        they would keep what they hold alive with it: `comm`'s left-over wait holds an
+        async handle, which must be freed to be handed to `comm._abandoned` in time."""
+        for callbacks in self._exit_callbacks:
+            callbacks.clear()
+        for hooks in self._hooks_for:
+            hooks.clear()
+
     def finish_normally(self, ubatch_id: int) -> None:
         """At a ubatch's normal end, in its thread: its exit callbacks, in order, then the
         recv hooks still pending (`run_remaining_hooks`), again until neither registers

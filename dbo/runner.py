@@ -397,6 +397,8 @@ class UBatchRunner:
             raise
         finally:
             self._current_run = None
+            if self._broken is None:  # every ubatch has ended (a stuck one may still add)
+                run.drop_leftovers()
             if self._closed:
                 _stop_all(self._workers)
         self._join_streams(run, caller_stream)

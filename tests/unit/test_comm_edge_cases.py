@@ -167,3 +167,55 @@ def test_a_group_of_a_destroyed_world_is_refused(world_of_one: None) -> None:
     comm.init_distributed(allow_single_process=True)
     with pytest.raises((ValueError, RuntimeError)):
         comm.all_reduce(torch.ones(2), group=group)  # a group of the old world
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_single_without_splits_needs_one_dim_0_on_both_sides(
+    world_of_one: None,
+) -> None:
+    """Each side alone passed its check (dim 0 divisible by the group size), and gloo
+    then failed inside with an enforce message instead of the documented ValueError."""
+    with pytest.raises(ValueError, match="must have the same dim 0"):
+        comm.all_to_all_single(torch.empty(4, 2), torch.ones(2, 2))
+    out = torch.empty(2, 2)
+    comm.all_to_all_single(out, torch.ones(2, 2))  # equal: still the plain op
+    torch.testing.assert_close(out, torch.ones(2, 2), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_single_refuses_an_output_that_is_its_input(world_of_one: None) -> None:
+    tensor = torch.arange(4.0).reshape(4, 1)
+    with pytest.raises(ValueError, match="share memory"):
+        comm.all_to_all_single(tensor, tensor)
+    with pytest.raises(ValueError, match="share memory"):
+        comm.all_to_all_single(tensor.view(2, 2), tensor.view(2, 2), [2], [2])
+    empty = torch.empty(0, 3)
+    comm.all_to_all_single(empty, empty)  # nothing to overwrite: allowed, as torch does
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_tensors_are_refused_with_a_type_error_that_says_so(
+    world_of_one: None, layout: str
+) -> None:
+    dense = torch.eye(3)
+    sparse = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    with pytest.raises(TypeError, match="dense \\(strided\\) tensors"):
+        comm.all_reduce(sparse)
+    with pytest.raises(TypeError, match="dense \\(strided\\) tensors"):
+        comm.all_to_all_single(torch.empty(3, 3), sparse)
+
+
+@pytest.mark.timeout(60)
+def test_reduce_ops_made_afresh_per_call_do_not_grow_the_options_cache(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from comm import _launch
+
+    monkeypatch.setattr(_launch, "_options_cache", {})  # filled here, not for later tests
+    for _ in range(300):
+        tensor = torch.ones(2)
+        comm.all_reduce(tensor, op=dist.ReduceOp.RedOpType(2))  # MAX, a new object each time
+        torch.testing.assert_close(tensor, torch.ones(2), rtol=0, atol=0)
+    assert len(_launch._options_cache) <= _launch._MAX_CACHED_OPTIONS

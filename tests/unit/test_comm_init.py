@@ -169,3 +169,34 @@ def test_variables_that_say_nothing_of_several_ranks_allow_a_single_process(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert comm.init_distributed(allow_single_process=True)[:2] == (0, 1)
+
+
+def test_a_world_torn_down_and_started_again_with_torchs_own_calls(no_torchrun_env: None) -> None:
+    """`dist.destroy_process_group()` destroys every group, duplicates included: the
+    registry kept them (and destroyed them again, an error, in destroy_distributed), and
+    the next init_distributed took the new world for the old one."""
+    from comm._checks import _still_registered
+
+    comm.init_distributed(allow_single_process=True, timeout_s=300)
+    old = comm.ubatch_groups(None, 2)
+    dist.destroy_process_group()  # torch's own teardown
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert comm.init_distributed(timeout_s=42) == (0, 1, torch.device("cpu"))
+    assert group_registry().timeout_s == 42, "the new world is adopted with this call's timeout"
+    new = comm.ubatch_groups(None, 2)
+    assert all(_still_registered(group) for group in new)
+    assert not any(group in new for group in old)
+    out = dbo.overlap(lambda t: (comm.all_reduce(t), t)[1], timeout_s=30)(torch.ones(4))
+    torch.testing.assert_close(out, torch.ones(4), rtol=0, atol=0)
+    comm.destroy_distributed()
+    assert not dist.is_initialized()
+    assert group_registry().clear() == []
+
+
+def test_destroy_distributed_after_torchs_own_teardown_only_forgets(no_torchrun_env: None) -> None:
+    comm.init_distributed(allow_single_process=True)
+    comm.ubatch_groups(None, 2)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm.destroy_distributed()  # raised ValueError: Invalid process group specified
+    assert not dist.is_initialized()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any
 
 import pytest
@@ -270,3 +271,42 @@ def _generator_function(x: torch.Tensor) -> Any:
 def test_a_coroutine_or_generator_function_is_refused_when_wrapped(fn: Any) -> None:
     with pytest.raises(TypeError, match="coroutine or generator function"):
         dbo.overlap(fn)
+
+
+# ------------------------------------------------- what a failed call's error keeps
+class _Held:
+    pass
+
+
+def test_callbacks_an_aborted_ubatch_left_are_freed_while_the_error_is_kept() -> None:
+    """The error's traceback holds the runner's frame, and that frame the run: its exit
+    callbacks and recv hooks, which never run once their ubatch was aborted, kept what
+    they hold alive as long as the error (an uncaught one: until interpreter exit)."""
+    import gc
+    import weakref
+
+    refs: list[weakref.ref[_Held]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            raise ValueError("ubatch 1 fails")
+        held, other = _Held(), _Held()
+        refs.extend([weakref.ref(held), weakref.ref(other)])
+        dbo.at_ubatch_exit(functools.partial(id, held))
+        dbo.register_recv_hook(functools.partial(id, other))
+        del held, other
+        dbo.yield_()  # aborted here: neither runs
+        return x
+
+    gc.disable()  # reference counting alone must free them
+    try:
+        try:
+            _overlap(fn)(torch.zeros(2))
+        except ValueError as error:
+            failure = error
+        assert "ubatch 1 fails" in str(failure)
+        assert len(refs) == 2
+        assert all(ref() is None for ref in refs)
+        del failure
+    finally:
+        gc.enable()
