@@ -14,13 +14,14 @@ path, not a transfer):
                                    + `wait()` (the same schedule written by hand)
   overlap call:                    `dbo.overlap(identity)` on 2 ubatches vs the floor of
                                    any thread-per-ubatch runtime: two persistent threads
-                                   woken and joined with `_thread` locks, plus the same
-                                   split (`tensor_split`) and merge (`torch.cat`)
+                                   woken by the baton's kind of wake-up (eventfd), plus
+                                   the same split (`tensor_split`) and merge (`torch.cat`)
 
-Rounds interleave the variants; the table shows medians (us per call) and "added",
-the median over rounds of each round's difference (paired, so the host's drift
-cancels). Pin to one core (`taskset -c 0`): a handoff that wakes a thread on the other
-core costs several times more on a 2-core VM and would swamp the differences.
+Rounds interleave the variants, in a new shuffled order each round; the table shows
+medians (us per call) and "added", the median over rounds of each round's difference
+(paired, so the host's drift cancels). Pin to one core (`taskset -c 0`): a handoff that
+wakes a thread on the other core costs several times more on a 2-core VM and would swamp
+the differences.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import os
+import random
 import statistics
 import sys
 import threading
@@ -42,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm  # noqa: E402
 import dbo  # noqa: E402
+from dbo._wakeup import Wakeup  # noqa: E402
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -52,24 +55,27 @@ def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
 
 
 class BareThreads:
-    """Two persistent threads, each started and joined per call through `_thread` locks:
-    what any runtime running each ubatch in its own thread pays per call, at least."""
+    """Two persistent threads, each started per call and parked between turns on the
+    wake-ups dbo's baton uses (`dbo._wakeup`: an eventfd on Linux), joined through
+    `_thread` locks: what any runtime running each ubatch in its own thread pays per
+    call, at least. (With locks for every wake-up, as before the eighth session, the
+    floor was ~25 us higher per call, so "added" read that much lower.)"""
 
     def __init__(self, body: Callable[[int], Any]) -> None:
         self._body = body
-        self._start = [_thread.allocate_lock(), _thread.allocate_lock()]
-        self._turn = [_thread.allocate_lock(), _thread.allocate_lock()]
+        self._start = [Wakeup(), Wakeup()]
+        self._turn = [Wakeup(), Wakeup()]
         self._done = [_thread.allocate_lock(), _thread.allocate_lock()]
-        for lock in (*self._start, *self._turn, *self._done):
+        for lock in self._done:
             lock.acquire()
         self.results: list[Any] = [None, None]
         for me in (0, 1):
             threading.Thread(target=self._loop, args=(me,), daemon=True).start()
 
     def run(self) -> list[Any]:
-        for lock in self._start:
-            lock.release()
-        self._turn[0].release()
+        for wakeup in self._start:
+            wakeup.set()
+        self._turn[0].set()
         for lock in self._done:
             if not lock.acquire(timeout=30):
                 raise RuntimeError("a benchmark thread did not finish in 30 s")
@@ -77,18 +83,26 @@ class BareThreads:
 
     def handoff(self, me: int) -> None:
         """What `dbo.yield_()` does: wake the other thread, park until it hands back."""
-        self._turn[1 - me].release()
-        self._turn[me].acquire()
+        self._turn[1 - me].set()
+        self._turn[me].wait()
 
     def _loop(self, me: int) -> None:
         torch.set_num_threads(1)
         while True:
-            self._start[me].acquire()
-            self._turn[me].acquire()
+            self._start[me].wait()
+            self._turn[me].wait()
             self.results[me] = self._body(me)
             if me == 0:
-                self._turn[1].release()  # ubatch 0 is done: ubatch 1's turn
+                self._turn[1].set()  # ubatch 0 is done: ubatch 1's turn
             self._done[me].release()
+
+
+def _shuffled(variants: dict[str, Any], round_index: int) -> list[str]:
+    """The variants in a new order each round (seeded): a fixed order put each variant
+    right after the same other one every round, and what runs first pays for it."""
+    order = list(variants)
+    random.Random(round_index).shuffle(order)
+    return order
 
 
 Row = tuple[str, float, float, float]
@@ -127,17 +141,21 @@ def collective_rows(calls: int, rounds: int) -> list[Row]:
     samples: dict[str, list[float]] = {name: [] for name in ("dist", "comm", "raw in", "comm in")}
     with dbo.UBatchRunner(num_ubatches=2) as runner:
         inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {}), ((), {})]
-        for _ in range(rounds):
-            samples["dist"].append(
-                _per_call_us(lambda: dist.all_to_all_single(out, x), calls)
-            )
-            samples["comm"].append(_per_call_us(lambda: comm.all_to_all_single(out, x), calls))
+
+        def inside(fn: Callable[[], None]) -> float:
             start = time.perf_counter()
-            runner.run(raw_inside, inputs)
-            samples["raw in"].append((time.perf_counter() - start) / (2 * calls) * 1e6)
-            start = time.perf_counter()
-            runner.run(comm_inside, inputs)
-            samples["comm in"].append((time.perf_counter() - start) / (2 * calls) * 1e6)
+            runner.run(fn, inputs)
+            return (time.perf_counter() - start) / (2 * calls) * 1e6
+
+        variants: dict[str, Callable[[], float]] = {
+            "dist": lambda: _per_call_us(lambda: dist.all_to_all_single(out, x), calls),
+            "comm": lambda: _per_call_us(lambda: comm.all_to_all_single(out, x), calls),
+            "raw in": lambda: inside(raw_inside),
+            "comm in": lambda: inside(comm_inside),
+        }
+        for round_index in range(rounds):
+            for name in _shuffled(variants, round_index):
+                samples[name].append(variants[name]())
     return [
         _row("all_to_all_single, outside an overlap", samples["comm"], samples["dist"]),
         _row("all_to_all_single, inside (1 handoff each)", samples["comm in"], samples["raw in"]),
@@ -158,9 +176,10 @@ def overlap_call_row(calls: int, rounds: int) -> Row:
     samples: dict[str, list[float]] = {"dbo": [], "bare": []}
     _per_call_us(lambda: overlapped(x), 100)  # warm up: the runner's threads start
     _per_call_us(bare_call, 100)
-    for _ in range(rounds):
-        samples["dbo"].append(_per_call_us(lambda: overlapped(x), calls))
-        samples["bare"].append(_per_call_us(bare_call, calls))
+    variants = {"dbo": lambda: overlapped(x), "bare": bare_call}
+    for round_index in range(rounds):
+        for name in _shuffled(variants, round_index):
+            samples[name].append(_per_call_us(variants[name], calls))
     return _row("dbo.overlap(identity), 2 ubatches", samples["dbo"], samples["bare"])
 
 

@@ -13,9 +13,9 @@ For each set of three tensors it times, in the same run and interleaved round by
                   offsets, then `buffer[start:end].view(dtype).reshape(shape)` per tensor
 
 on CPU, and on CUDA when it is available. Each round times `--calls` calls of every method
-(in a rotating order); the table shows the median over rounds of the time per call, and
-the ratios to `torch.empty` (below 1: cheaper than allocating). Nothing is asserted: the
-numbers depend on the machine.
+(in a new shuffled order each round); the table shows the median over rounds of the time
+per call, and the ratios to `torch.empty` (below 1: cheaper than allocating). Nothing is
+asserted: the numbers depend on the machine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import gc
 import math
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -119,8 +120,11 @@ def measure(
     gc.disable()
     try:
         for round_index in range(rounds):
-            shift = round_index % len(names)  # rotate the order: no method always goes first
-            for name in names[shift:] + names[:shift]:
+            # A new order each round (seeded): a rotation kept each method right after
+            # the same other one in most rounds.
+            order = list(names)
+            random.Random(round_index).shuffle(order)
+            for name in order:
                 samples[name].append(_time_per_call_us(methods[name], calls, device))
     finally:
         if gc_was_enabled:

@@ -313,7 +313,15 @@ def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any
     try:
         wait(*args)
     finally:
-        recording.add(f"wait {name}", track, start, time.perf_counter())
+        label = _WAIT_LABELS.get(name)
+        if label is None:  # one string per collective kind, shared by all its spans
+            label = _WAIT_LABELS.setdefault(name, f"wait {name}")
+        recording.add(label, track, start, time.perf_counter())
+
+
+_WAIT_LABELS: dict[str, str] = {}
+""""wait <name>" per collective name: built once, not per span (a trace keeps up to a
+million spans)."""
 
 
 def _protect(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:

@@ -13,6 +13,7 @@ The pattern inside an overlap is launch, yield, wait:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any
@@ -75,8 +76,15 @@ class EmulatedLink:
     """
 
     def __init__(self, latency_s: float, bandwidth_bytes_per_s: float | None = None) -> None:
-        if not latency_s >= 0:
-            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        for name, value in (("latency_s", latency_s), ("bandwidth_bytes_per_s",
+                                                       bandwidth_bytes_per_s)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float))
+            ):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        # Finite: an infinite latency never completes, and sleeping for it fails.
+        if not 0 <= latency_s < math.inf:
+            raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
         if bandwidth_bytes_per_s is not None and not bandwidth_bytes_per_s > 0:
             raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {bandwidth_bytes_per_s}")
         self.latency_s = float(latency_s)

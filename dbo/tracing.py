@@ -43,8 +43,9 @@ CALLER = -1
 """The `ubatch_id` of spans recorded outside a ubatch thread (the caller's thread)."""
 
 DEFAULT_MAX_SPANS = 1_000_000
-"""About 150 MB of spans at most (~144 bytes each); a step of 60 layers x 2
-collectives x 2 ubatches records ~500 spans, so this keeps about 2000 such steps."""
+"""About 180 MB of spans at most (~177 bytes each, measured with tracemalloc: the
+tuple, its two floats and the thread id; names are shared strings); a step of 60 layers
+x 2 collectives x 2 ubatches records ~500 spans, so this keeps about 2000 such steps."""
 
 
 class Span(NamedTuple):
@@ -116,7 +117,8 @@ class Trace:
 
     def totals(self) -> dict[int, UBatchTotals]:
         """Per ubatch id (and `CALLER` if it has waits): turns, baton and blocked time,
-        summed over every overlap in the trace."""
+        summed over every overlap in the trace: over the kept spans, so when `dropped`
+        is not 0 these are partial (`summary()` says so on its first line)."""
         turns: dict[int, int] = {}
         baton: dict[int, float] = {}
         blocked: dict[int, float] = {}
@@ -153,7 +155,13 @@ class Trace:
                 f"{total.blocked_s * 1e3:>12.2f}{total.waits:>7}"
             )
         if self.dropped:
-            lines.append(f"({self.dropped} spans dropped past max_spans={self.max_spans})")
+            # First: the lines above count the kept spans only, and a call's own span is
+            # recorded after its turns, so they can disagree (turns without their call).
+            lines.insert(
+                0,
+                f"TRUNCATED: {self.dropped} spans dropped past max_spans={self.max_spans}; "
+                f"the numbers below cover the first {len(spans)} spans only",
+            )
         return "\n".join(lines)
 
     def to_chrome_trace(self, process_name: str | None = None) -> dict[str, Any]:

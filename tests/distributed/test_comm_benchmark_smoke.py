@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "comm_overlap.py"
 def test_comm_overlap_benchmark_runs_and_prints_every_column() -> None:
     completed = subprocess.run(
         [
-            sys.executable, str(SCRIPT), "--rounds", "1", "--layers", "2",
+            sys.executable, str(SCRIPT), "--rounds", "6", "--layers", "2",
             "--configs", "64:1.0", "--timeout-s", "60",
         ],
         capture_output=True, text=True, timeout=90,
@@ -64,7 +64,21 @@ def test_the_median_interval_brackets_the_median_and_narrows_with_more_rounds() 
     wide = high - low
     low, high = interval(noisy * 9)  # the same spread, 9x the rounds
     assert high - low < wide
-    assert interval([1.05] * 5) == (1.05, 1.05)
+    assert interval([1.05] * 6) == (1.05, 1.05)
+
+
+def test_the_median_interval_is_the_order_statistics_one_and_none_under_six() -> None:
+    """[x_(k), x_(n+1-k)] covers the median with probability >= 95% whatever the
+    distribution; the percentile bootstrap it replaces was [min, max] at 3 rounds (75%)."""
+    import math
+
+    interval = _benchmark_module()._median_interval
+    for n in range(1, 6):
+        assert all(math.isnan(bound) for bound in interval([float(i) for i in range(n)]))
+    assert interval([float(i) for i in range(6)]) == (0.0, 5.0)  # P(B <= 0) = 1/64
+    values = [float(i) for i in range(20)][::-1]  # any order
+    assert interval(values) == (5.0, 14.0)  # x_(6), x_(15): P(B <= 5) = 0.021
+    assert interval([float(i) for i in range(100)]) == (39.0, 60.0)  # x_(40), x_(61)
 
 
 def test_the_verdict_says_tie_only_when_the_interval_contains_one() -> None:
@@ -72,3 +86,4 @@ def test_the_verdict_says_tie_only_when_the_interval_contains_one() -> None:
     assert verdict({"r lo": 0.95, "r hi": 0.99}, "r") == "faster"
     assert verdict({"r lo": 0.97, "r hi": 1.03}, "r") == "tie"
     assert verdict({"r lo": 1.01, "r hi": 1.08}, "r") == "slower"
+    assert verdict({"r lo": float("nan"), "r hi": float("nan")}, "r") == "n/a"

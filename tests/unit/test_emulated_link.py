@@ -49,6 +49,14 @@ def test_bad_arguments() -> None:
         EmulatedLink(latency_s=0, bandwidth_bytes_per_s=0)
     with pytest.raises(TypeError):
         EmulatedLink(0.0).transfer([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="finite"):
+        EmulatedLink(latency_s=float("inf"))  # wait() failed with an OverflowError
+    with pytest.raises(ValueError, match="finite"):
+        EmulatedLink(latency_s=float("nan"))
+    with pytest.raises(TypeError, match="bandwidth_bytes_per_s must be a number"):
+        EmulatedLink(0.0, bandwidth_bytes_per_s=True)  # was taken as 1 byte/s
+    with pytest.raises(TypeError, match="latency_s must be a number"):
+        EmulatedLink(latency_s="0.1")  # type: ignore[arg-type]
 
 
 def test_two_ubatches_overlap_their_transfers_with_compute() -> None:
