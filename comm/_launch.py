@@ -119,8 +119,8 @@ by const reference and only read them (with the GIL released, from any thread)."
 
 _MAX_CACHED_OPTIONS = 64
 """The cache's bound: an op made afresh per call (`ReduceOp.RedOpType(2)`, an op that
-was unpickled) is a new object, so a new key, every time; past the bound, options are
-built per call (as for a `ReduceOp` with a scalar)."""
+was unpickled) is a new object, so a new key, every time; at the bound the cache starts
+over (a full cache of such one-shot ops would otherwise refuse the ops in use)."""
 
 
 def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
@@ -132,7 +132,9 @@ def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
     if cached is not None and cached[0] is reduce_op:
         return cached[1]
     options = _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
-    if type(reduce_op) is _RedOpType and len(_options_cache) < _MAX_CACHED_OPTIONS:
+    if type(reduce_op) is _RedOpType:
+        if len(_options_cache) >= _MAX_CACHED_OPTIONS:
+            _options_cache.clear()  # the ops in use come back at their next call
         _options_cache[key] = (reduce_op, options)
     return options
 

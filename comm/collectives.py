@@ -510,7 +510,14 @@ def all_to_all_single(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
-    if output.data_ptr() == input.data_ptr() and output.numel() and input.numel():
+    if (
+        type(output) is torch.Tensor  # a subclass's data_ptr may be 0, warn or dispatch
+        and type(input) is torch.Tensor
+        and output.data_ptr() != 0  # no storage (meta): nothing to overwrite
+        and output.data_ptr() == input.data_ptr()
+        and output.numel()
+        and input.numel()
+    ):
         # Rows would be overwritten before they are sent (torch races the same way).
         raise ValueError(
             "all_to_all_single: output and input share memory; the rows received would "

@@ -46,6 +46,7 @@ to the base group (correct, just serialized).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Hashable
 from datetime import timedelta
 from typing import Any
@@ -78,6 +79,8 @@ class UBatchGroupRegistry:
         non-member (it has no group object) keeps by what identifies the base group; only
         calls with a `key` are counted."""
         self.timeout_s: float | None = None
+        self._world: weakref.ref[dist.ProcessGroup] | None = None
+        """The default group the non-member counts are about (weakly)."""
 
     def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
         """The group ubatch `ubatch_id` uses for `base`: its duplicate, else `base` itself.
@@ -139,6 +142,7 @@ class UBatchGroupRegistry:
         identity = (tuple(ranks), backend, key)
         counted = key is not None  # without a key, calls cannot be told apart: no count
         with self._lock:
+            self._forget_destroyed()
             created = self._created_as_non_member.get(identity, 0) if counted else 0
             if created >= num_ubatches:
                 return
@@ -179,12 +183,20 @@ class UBatchGroupRegistry:
         )
 
     def _forget_destroyed(self) -> None:
-        """Drop the duplicates of base groups that no longer exist (destroyed, with their
-        duplicates, by torch's own `destroy_process_group()`): they would be kept alive
-        here, and destroyed a second time (an error) by `destroy_ubatch_groups`."""
+        """Drop the duplicates of base groups that no longer exist: destroyed by torch's
+        own `destroy_process_group()`, which takes every group with the world, or a
+        subgroup alone (then its duplicates still exist, and are destroyed here; a
+        duplicate is only destroyed twice by mistake, an error). In a new world, also
+        forget what this rank created as a non-member of the old one's groups."""
+        world = dist.GroupMember.WORLD
+        if self._world is None or self._world() is not world:
+            self._created_as_non_member.clear()
+            self._world = weakref.ref(world) if world is not None else None
         for base in [base for base in self._duplicates if not _still_registered(base)]:
             for duplicate in self._duplicates.pop(base):
                 self._is_duplicate.discard(duplicate)
+                if _still_registered(duplicate) and not dbo.enabled():
+                    dist.destroy_process_group(duplicate)
 
     def clear(self) -> list[dist.ProcessGroup]:
         """Forget every duplicate; return them (for the caller to destroy)."""

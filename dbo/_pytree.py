@@ -237,8 +237,66 @@ def _rebuild_dataclass(
     rebuilt = node_type(**{key: items[key] for key in init_names if key in items})
     post_init = hasattr(node_type, "__post_init__")
     for key, value in items.items():
-        if key not in init_names or (post_init and isinstance(value, torch.Tensor)):
+        if key not in init_names or (post_init and _holds_tensors(value)):
             object.__setattr__(rebuilt, key, value)
+    return rebuilt
+
+
+def _holds_tensors(value: Any) -> bool:
+    """A tensor, or a list / tuple / dict with a tensor among its items: a value the
+    split cut (or the merge joined), to be kept exactly as it is."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(isinstance(item, torch.Tensor) for item in value)
+
+
+_overrides_new_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _overrides_new(cls: type) -> bool:
+    """Whether a namedtuple type (or a class above it) defines its own `__new__`,
+    beyond the one `namedtuple` generates."""
+    if cls not in _overrides_new_cache:
+        overrides = False
+        for klass in cls.__mro__:
+            if "_fields" in klass.__dict__ and "_make" in klass.__dict__:
+                break  # the class namedtuple generated: its __new__ only stores
+            if "__new__" in klass.__dict__:
+                overrides = True
+                break
+        _overrides_new_cache[cls] = overrides
+    return _overrides_new_cache[cls]
+
+
+def _rebuild_namedtuple(node_type: type, values: list[Any], template: Any) -> Any:
+    """A namedtuple holding `values`, without running its `__new__` on them (already
+    what it made of them once: one that scales a field would scale it again); where
+    the type defines its own `__new__`, it runs once on the values to derive the others
+    (a row count follows the part), and only the values that hold tensors are kept
+    exactly, as for dataclasses."""
+    state = getattr(template, "__dict__", None)
+    if _overrides_new(node_type):
+        try:
+            constructed: Any = node_type(*values)
+        except Exception:  # noqa: BLE001 - another signature: the values as they are
+            constructed = None
+        if (
+            isinstance(constructed, node_type)
+            and isinstance(constructed, tuple)
+            and len(constructed) == len(values)
+        ):
+            values = [
+                value if _holds_tensors(value) else derived
+                for value, derived in zip(values, constructed)
+            ]
+            state = getattr(constructed, "__dict__", state)
+    rebuilt: Any = tuple.__new__(node_type, values)
+    if state:
+        rebuilt.__dict__.update(state)
     return rebuilt
 
 
@@ -366,9 +424,10 @@ def rebuild(
     """A container like `template` (of `kind`, as `children` described it) holding `values`."""
     if kind in ("tuple", "list", "structseq"):
         return node_type(values)
-    if kind in ("namedtuple", "tuple subclass"):
-        # Without the constructor: a subclass's own `__new__` may transform its
-        # arguments (already transformed once), like namedtuple's `_make`.
+    if kind == "namedtuple":
+        return _rebuild_namedtuple(node_type, values, template)
+    if kind == "tuple subclass":
+        # Without the constructor: a subclass's own `__new__` may differ.
         rebuilt: Any = tuple.__new__(node_type, values)
         state = getattr(template, "__dict__", None)
         if state:
@@ -434,7 +493,7 @@ def _visit(node: Any, node_path: str, leaves: list[Any], paths: list[str]) -> Tr
         for key, child in zip(keys, values)
     )
     template = None
-    if kind in ("dataclass", "list subclass", "tuple subclass") or (
+    if kind in ("dataclass", "namedtuple", "list subclass", "tuple subclass") or (
         kind == "dict" and node_type is not dict
     ):
         template = node

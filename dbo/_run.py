@@ -7,6 +7,7 @@ their registered `UBatchContext.scheduler`, which is how the module-level functi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,10 @@ class UBatchStreams:
 
     compute: Any
     comm: Any
+
+
+_MAX_HOOK_ROUNDS = 100
+"""Rounds of recv hooks registered by hooks run for a ubatch that has returned."""
 
 
 class OverlapRun:
@@ -41,10 +46,11 @@ class OverlapRun:
         self.streams = streams
         self.owner = owner
         """The runner that started this run (to refuse a run of the same runner inside it)."""
-        self.parent = parent
+        self.parent = weakref.ref(parent) if parent is not None else None
         """The run whose ubatch thread started this one (a bare runner's ubatch running
-        another runner), if any: a run of any runner up this chain, asked for inside
-        this run, would wait for itself."""
+        another runner), weakly (it holds its run state, order tokens and their graphs,
+        which this run must not keep), if any: a run of any runner up this chain, asked
+        for inside this run, would wait for itself."""
         self.baton = Baton(num_ubatches, wakeups)
         self.on_comm = [False] * num_ubatches
         self.fork_event: Any = None
@@ -114,8 +120,17 @@ class OverlapRun:
         self.maybe_run_recv_hook(ubatch_id)
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
+        rounds = 0
         while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
-            pass
+            rounds += 1
+            if rounds >= _MAX_HOOK_ROUNDS:
+                # A hook that registers itself again (a poller waiting for a turn that
+                # will not come: its ubatch has returned) would spin here for good.
+                raise RuntimeError(
+                    f"recv hooks for ubatch {target}, which has returned, kept registering "
+                    f"new hooks ({_MAX_HOOK_ROUNDS} rounds); a hook run after its ubatch "
+                    "returned must not wait for another turn"
+                )
 
     # ------------------------------------------------------------------ ubatch-side API
     def current_stream(self, ubatch_id: int) -> Any:

@@ -232,7 +232,8 @@ class UBatchRunner:
                     f"which would wait for itself; a nested overlap runs inline "
                     f"(dbo.overlap does this)"
                 )
-            run, nested = getattr(run, "parent", None), True
+            parent = getattr(run, "parent", None)
+            run, nested = (parent() if parent is not None else None), True
 
     def __enter__(self) -> UBatchRunner:
         return self

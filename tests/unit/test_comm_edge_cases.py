@@ -6,6 +6,7 @@ Each test reproduces a finding of a review (see its docstring) and guards its fi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -218,4 +219,53 @@ def test_reduce_ops_made_afresh_per_call_do_not_grow_the_options_cache(
         tensor = torch.ones(2)
         comm.all_reduce(tensor, op=dist.ReduceOp.RedOpType(2))  # MAX, a new object each time
         torch.testing.assert_close(tensor, torch.ones(2), rtol=0, atol=0)
-    assert len(_launch._options_cache) <= _launch._MAX_CACHED_OPTIONS
+        assert len(_launch._options_cache) <= _launch._MAX_CACHED_OPTIONS
+    comm.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM)
+    # A full cache of one-shot ops does not refuse the op in use.
+    assert any(op is dist.ReduceOp.SUM for op, _ in _launch._options_cache.values())
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (no storage of its own: data_ptr() is 0), as tensor-subclass
+    libraries make them; torch.distributed moves its inner tensor."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
+        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device
+        )
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils._pytree import tree_map
+
+        def unwrap(value: Any) -> Any:
+            return value.inner if isinstance(value, _Wrapped) else value
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+@pytest.mark.timeout(60)
+def test_the_aliasing_check_leaves_tensors_without_storage_alone(world_of_one: None) -> None:
+    """Two distinct tensors without storage both report data_ptr() 0: the aliasing
+    check took them for one and refused a call torch.distributed makes."""
+    out, source = _Wrapped(torch.zeros(4, 2)), _Wrapped(torch.arange(8.0).reshape(4, 2))
+    assert out.data_ptr() == source.data_ptr() == 0
+    comm.all_to_all_single(out, source)
+    torch.testing.assert_close(out.inner, torch.arange(8.0).reshape(4, 2), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_subgroup_destroyed_alone_has_its_duplicates_destroyed_too(world_of_one: None) -> None:
+    from comm._checks import _still_registered
+    from comm.groups import destroy_ubatch_groups
+
+    sub = dist.new_group([0])
+    duplicates = comm.ubatch_groups(sub, 2)
+    dist.destroy_process_group(sub)  # torch's own call, the subgroup only
+    comm.ubatch_groups(None, 2)  # the registry notices the next time it creates groups
+    assert not any(_still_registered(group) for group in duplicates)
+    destroy_ubatch_groups()  # and does not destroy them a second time (an error)

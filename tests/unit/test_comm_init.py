@@ -179,11 +179,15 @@ def test_a_world_torn_down_and_started_again_with_torchs_own_calls(no_torchrun_e
 
     comm.init_distributed(allow_single_process=True, timeout_s=300)
     old = comm.ubatch_groups(None, 2)
+    # As a non-member of a 2-rank group would have counted (a 1-rank world has none):
+    # in the next world, those counts would make it skip creations its peers make.
+    group_registry()._created_as_non_member[((1, 2), "gloo", "key")] = 2
     dist.destroy_process_group()  # torch's own teardown
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert comm.init_distributed(timeout_s=42) == (0, 1, torch.device("cpu"))
     assert group_registry().timeout_s == 42, "the new world is adopted with this call's timeout"
     new = comm.ubatch_groups(None, 2)
+    assert group_registry()._created_as_non_member == {}
     assert all(_still_registered(group) for group in new)
     assert not any(group in new for group in old)
     out = dbo.overlap(lambda t: (comm.all_reduce(t), t)[1], timeout_s=30)(torch.ones(4))

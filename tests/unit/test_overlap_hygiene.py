@@ -178,6 +178,52 @@ def test_a_namedtuple_whose_new_transforms_a_field_is_not_transformed_again() ->
     torch.testing.assert_close(out.a, x, rtol=0, atol=0)
 
 
+class CountedPair(collections.namedtuple("CountedPair", "x n")):  # noqa: PYI024
+    def __new__(cls, x: torch.Tensor, n: int = 0) -> CountedPair:
+        return super().__new__(cls, x, int(x.shape[0]))  # n derived from x
+
+
+class Tagged(collections.namedtuple("Tagged", "x")):  # noqa: PYI024
+    def __new__(cls, x: torch.Tensor) -> Tagged:
+        self = super().__new__(cls, x)
+        self.source = "made"  # an attribute its __new__ sets on the instance
+        return self
+
+
+@dataclasses.dataclass
+class NormalizedList:
+    parts: list[torch.Tensor]
+
+    def __post_init__(self) -> None:
+        self.parts = [part / 255 for part in self.parts]
+
+
+def test_a_value_a_namedtuples_new_derives_follows_each_part_both_ways() -> None:
+    seen: list[int] = []
+
+    def fn(pair: CountedPair) -> CountedPair:
+        seen.append(pair.n)
+        return CountedPair(pair.x * 1)
+
+    out = _overlap(fn)(CountedPair(torch.arange(6.0)))
+    assert seen == [3, 3]
+    assert type(out) is CountedPair
+    assert out.n == 6
+    torch.testing.assert_close(out.x, torch.arange(6.0), rtol=0, atol=0)
+
+
+def test_attributes_a_namedtuples_new_sets_survive_the_merge() -> None:
+    out = _overlap(lambda t: Tagged(t * 1))(torch.zeros(4))
+    assert type(out) is Tagged
+    assert out.source == "made"
+
+
+def test_a_post_init_that_transforms_a_list_of_tensors_is_not_applied_twice() -> None:
+    batch = NormalizedList([torch.full((4,), 510.0)])
+    out = _overlap(lambda b: b.parts[0] * 1)(batch)
+    torch.testing.assert_close(out, torch.full((4,), 2.0), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------ recv hooks
 @pytest.mark.parametrize("num_ubatches", [2, 3])
 def test_a_hook_registered_by_a_hook_run_for_a_finished_ubatch_still_runs(
@@ -310,3 +356,23 @@ def test_callbacks_an_aborted_ubatch_left_are_freed_while_the_error_is_kept() ->
         del failure
     finally:
         gc.enable()
+
+
+def test_a_hook_that_keeps_registering_itself_for_a_finished_ubatch_raises() -> None:
+    """A poller waiting for a turn of a ubatch that has returned: it spun until the
+    watchdog fired (or for good without one)."""
+    runs: list[int] = []
+
+    def poll() -> None:
+        runs.append(1)
+        dbo.register_recv_hook(poll)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            dbo.register_recv_hook(poll)  # for ubatch 0, which has already returned
+        return x
+
+    with pytest.raises(RuntimeError, match="kept registering new hooks"):
+        _overlap(fn)(torch.zeros(2))
+    assert len(runs) == 100
+    assert _overlap(lambda t: t + 1)(torch.zeros(2)).tolist() == [1.0, 1.0]  # usable
