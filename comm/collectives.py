@@ -510,19 +510,17 @@ def all_to_all_single(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
-    if (
-        type(output) is torch.Tensor  # a subclass's data_ptr may be 0, warn or dispatch
-        and type(input) is torch.Tensor
-        and output.data_ptr() != 0  # no storage (meta): nothing to overwrite
-        and output.data_ptr() == input.data_ptr()
-        and output.numel()
-        and input.numel()
-    ):
-        # Rows would be overwritten before they are sent (torch races the same way).
-        raise ValueError(
-            "all_to_all_single: output and input share memory; the rows received would "
-            "overwrite rows not yet sent. Use a separate output (torch.empty_like(input))"
-        )
+    # A subclass's data_ptr may be 0, warn or dispatch; 0: no storage (meta), nothing to
+    # overwrite. ~0.6 us, on every call.
+    if type(output) is torch.Tensor and type(input) is torch.Tensor:
+        pointer = output.data_ptr()
+        if pointer and pointer == input.data_ptr() and output.numel() and input.numel():
+            # Rows would be overwritten before they are sent (torch races the same way).
+            raise ValueError(
+                "all_to_all_single: output and input share memory; the rows received "
+                "would overwrite rows not yet sent. Use a separate output "
+                "(torch.empty_like(input))"
+            )
     shape = output.shape
     same_shape = shape == input.shape
     if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
