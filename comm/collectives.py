@@ -319,6 +319,9 @@ def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any
         recording.add(label, track, start, time.perf_counter())
 
 
+_STORAGE_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose `data_ptr()` is their own storage's (the aliasing check)."""
+
 _WAIT_LABELS: dict[str, str] = {}
 """"wait <name>" per collective name: built once, not per span (a trace keeps up to a
 million spans)."""
@@ -510,9 +513,9 @@ def all_to_all_single(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
-    # A subclass's data_ptr may be 0, warn or dispatch; 0: no storage (meta), nothing to
-    # overwrite. ~0.6 us, on every call.
-    if type(output) is torch.Tensor and type(input) is torch.Tensor:
+    # Other subclasses' data_ptr may be 0, warn or dispatch; 0: no storage (meta),
+    # nothing to overwrite. ~0.6 us, on every call.
+    if type(output) in _STORAGE_TYPES and type(input) in _STORAGE_TYPES:
         pointer = output.data_ptr()
         if pointer and pointer == input.data_ptr() and output.numel() and input.numel():
             # Rows would be overwritten before they are sent (torch races the same way).

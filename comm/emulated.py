@@ -76,12 +76,9 @@ class EmulatedLink:
     """
 
     def __init__(self, latency_s: float, bandwidth_bytes_per_s: float | None = None) -> None:
-        for name, value in (("latency_s", latency_s), ("bandwidth_bytes_per_s",
-                                                       bandwidth_bytes_per_s)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float))
-            ):
-                raise TypeError(f"{name} must be a number, got {value!r}")
+        latency_s = _number("latency_s", latency_s)
+        if bandwidth_bytes_per_s is not None:
+            bandwidth_bytes_per_s = _number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
         # Finite: an infinite latency never completes, and sleeping for it fails.
         if not 0 <= latency_s < math.inf:
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s}")
@@ -148,3 +145,14 @@ class EmulatedLink:
                 end.synchronize()
                 self._cuda_cycles_per_s = cycles / (start.elapsed_time(end) / 1000.0)
         return self._cuda_cycles_per_s
+
+
+def _number(name: str, value: Any) -> float:
+    """`value` as a float: ints, floats, numpy scalars, 0-dim tensors; not bools (True
+    would be 1 second, or 1 byte/s) nor strings."""
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None

@@ -192,10 +192,12 @@ class UBatchGroupRegistry:
         if self._world is None or self._world() is not world:
             self._created_as_non_member.clear()
             self._world = weakref.ref(world) if world is not None else None
+        if dbo.enabled():
+            return  # destroying groups waits for a call outside any overlap
         for base in [base for base in self._duplicates if not _still_registered(base)]:
             for duplicate in self._duplicates.pop(base):
                 self._is_duplicate.discard(duplicate)
-                if _still_registered(duplicate) and not dbo.enabled():
+                if _still_registered(duplicate):
                     dist.destroy_process_group(duplicate)
 
     def clear(self) -> list[dist.ProcessGroup]:

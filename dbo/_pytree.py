@@ -243,58 +243,27 @@ def _rebuild_dataclass(
 
 
 def _holds_tensors(value: Any) -> bool:
-    """A tensor, or a list / tuple / dict with a tensor among its items: a value the
-    split cut (or the merge joined), to be kept exactly as it is."""
+    """A tensor, or a non-empty list / tuple / dict of tensors only: a value the split
+    cut (or the merge joined), to be kept exactly as it is. A container that also holds
+    other values (a row count `__post_init__` derives next to a tensor) keeps what the
+    constructor made of it."""
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, dict):
         value = value.values()
     elif not isinstance(value, (list, tuple)):
         return False
-    return any(isinstance(item, torch.Tensor) for item in value)
-
-
-_overrides_new_cache: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
-
-
-def _overrides_new(cls: type) -> bool:
-    """Whether a namedtuple type (or a class above it) defines its own `__new__`,
-    beyond the one `namedtuple` generates."""
-    if cls not in _overrides_new_cache:
-        overrides = False
-        for klass in cls.__mro__:
-            if "_fields" in klass.__dict__ and "_make" in klass.__dict__:
-                break  # the class namedtuple generated: its __new__ only stores
-            if "__new__" in klass.__dict__:
-                overrides = True
-                break
-        _overrides_new_cache[cls] = overrides
-    return _overrides_new_cache[cls]
+    items = list(value)
+    return bool(items) and all(isinstance(item, torch.Tensor) for item in items)
 
 
 def _rebuild_namedtuple(node_type: type, values: list[Any], template: Any) -> Any:
-    """A namedtuple holding `values`, without running its `__new__` on them (already
-    what it made of them once: one that scales a field would scale it again); where
-    the type defines its own `__new__`, it runs once on the values to derive the others
-    (a row count follows the part), and only the values that hold tensors are kept
-    exactly, as for dataclasses."""
-    state = getattr(template, "__dict__", None)
-    if _overrides_new(node_type):
-        try:
-            constructed: Any = node_type(*values)
-        except Exception:  # noqa: BLE001 - another signature: the values as they are
-            constructed = None
-        if (
-            isinstance(constructed, node_type)
-            and isinstance(constructed, tuple)
-            and len(constructed) == len(values)
-        ):
-            values = [
-                value if _holds_tensors(value) else derived
-                for value, derived in zip(values, constructed)
-            ]
-            state = getattr(constructed, "__dict__", state)
+    """A namedtuple holding `values`, without running its type's `__new__` (as
+    namedtuple's `_make`): the values already are what it made of them once, and user
+    code that transforms, derives or counts must not run again on them. Attributes its
+    `__new__` set on the instance come from the template."""
     rebuilt: Any = tuple.__new__(node_type, values)
+    state = getattr(template, "__dict__", None)
     if state:
         rebuilt.__dict__.update(state)
     return rebuilt

@@ -7,6 +7,7 @@ their registered `UBatchContext.scheduler`, which is how the module-level functi
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ class UBatchStreams:
     comm: Any
 
 
-_MAX_HOOK_ROUNDS = 100
-"""Rounds of recv hooks registered by hooks run for a ubatch that has returned."""
+_HOOK_POLL_LIMIT_S = 30.0
+"""How long recv hooks run for a ubatch that has returned may keep registering new ones
+(polling for a receive to complete) before the run fails."""
 
 
 class OverlapRun:
@@ -120,17 +122,20 @@ class OverlapRun:
         self.maybe_run_recv_hook(ubatch_id)
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
-        rounds = 0
+        deadline = None
         while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
-            rounds += 1
-            if rounds >= _MAX_HOOK_ROUNDS:
-                # A hook that registers itself again (a poller waiting for a turn that
-                # will not come: its ubatch has returned) would spin here for good.
+            # A hook that registers itself again polls (a receive not complete yet):
+            # fine for a while; one that never stops would spin here for good.
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + _HOOK_POLL_LIMIT_S
+            elif now > deadline:
                 raise RuntimeError(
                     f"recv hooks for ubatch {target}, which has returned, kept registering "
-                    f"new hooks ({_MAX_HOOK_ROUNDS} rounds); a hook run after its ubatch "
-                    "returned must not wait for another turn"
+                    f"new hooks for {_HOOK_POLL_LIMIT_S:g} s; a hook that polls must finish "
+                    "once its ubatch has returned"
                 )
+            time.sleep(0)  # let other threads run between polls
 
     # ------------------------------------------------------------------ ubatch-side API
     def current_stream(self, ubatch_id: int) -> Any:

@@ -221,21 +221,37 @@ def _keep_until_stream_done(buffer: torch.Tensor) -> None:
         buffer.record_stream(stream)
 
 
+_MAX_INT64 = 2**63 - 1
+
+
 def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _Layout:
     items = []
     offset = 0
-    for shape, dtype in requests:
+    for index, (shape, dtype) in enumerate(requests):
         stride = []
         running = 1
         for dim in reversed(shape):
             stride.append(running)
             running *= max(dim, 1)
+        if 0 in shape and running > _MAX_INT64:
+            # Sizes and strides are int64. (A non-empty shape that large needs more bytes
+            # than can be allocated: the capacity check says so.)
+            raise ValueError(
+                f"workspace request {index}: shape {shape} has sizes or strides beyond "
+                "int64 (torch.empty would fail the same way)"
+            )
         numel = 1
         for dim in shape:
             numel *= dim
         items.append((dtype, shape, tuple(reversed(stride)), offset))
         offset += _round_up(numel * dtype.itemsize, ALIGNMENT_BYTES)
     return _Layout(tuple(items), offset)
+
+
+def _joined_graph(entry: _Entry) -> bool:
+    """Whether a typed view of `entry` joined an autograd graph. A function, so that no
+    loop variable of the caller keeps a typed view (and its buffer) alive."""
+    return any(base.requires_grad for base in entry.bases)
 
 
 class _Entry:
@@ -264,11 +280,14 @@ class _Slot:
     slow path and realize the buffer to the shared capacity.
     """
 
-    __slots__ = ("buffer", "entries", "user", "registration")
+    __slots__ = ("buffer", "entries", "last_entry", "registration", "user")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.entries: dict[Any, _Entry] = {}
+        self.last_entry: _Entry | None = None
+        """The entry of the request handed out last (its views are checked for a graph
+        at the next request, whichever it is)."""
         self.user: int | None = None
         """`threading.get_ident()` of the thread that asked last (see `_take_slot`)."""
         self.registration = 0
@@ -282,6 +301,7 @@ class _Slot:
 
     def drop_buffer(self) -> None:
         self.entries.clear()
+        self.last_entry = None
         self.buffer = None
 
     def forget_history(self) -> None:
@@ -294,6 +314,7 @@ class _Slot:
         request: same bytes, same data pointers.
         """
         self.entries.clear()
+        self.last_entry = None
 
     def typed_view(self, dtype: torch.dtype) -> torch.Tensor:
         """A new `dtype` view of the whole buffer: an autograd base of its own.
@@ -402,7 +423,10 @@ class WorkspaceManager:
         try:
             entry = slot.entries.get(shapes_and_dtypes)
         except TypeError:  # unhashable: a list shape; look its tuple form up
-            entry = slot.entries.get(_tuple_form(shapes_and_dtypes))
+            try:
+                entry = slot.entries.get(_tuple_form(shapes_and_dtypes))
+            except TypeError:  # still unhashable (a 0-d array dim): the slow path says
+                entry = None
         if entry is not None:
             # True == 1 and 2.0 == 2 hash alike: a cached int request must not let a bool
             # or float dimension through unchecked. Exact ints only on the fast path.
@@ -411,14 +435,21 @@ class WorkspaceManager:
                     if type(dim) is not int:
                         entry = None
                         break
-            if entry is not None:
-                for base in entry.bases:
-                    if base.requires_grad:
-                        slot.forget_history()
-                        entry = None
-                        break
+            if entry is not None and _joined_graph(entry):
+                slot.forget_history()
+                entry = None
+        previous = slot.last_entry
+        if previous is not None and previous is not entry and _joined_graph(previous):
+            # The previous request's views joined a graph since (a `copy_` from a
+            # tensor that requires grad): its typed views would keep that graph (saved
+            # activations) alive until the same request came again, which for requests
+            # that vary (sequence lengths) may be never.
+            slot.forget_history()
+            entry = None
+        previous = None  # its typed views keep the old buffer: free before allocate
         if entry is None:
             entry = self._prepare(slot, shapes_and_dtypes)
+        slot.last_entry = entry
         return [view(shape, stride, offset) for view, shape, stride, offset in entry.views]
 
     def _take_slot(self, slot: _Slot, ubatch_id: int, user: int, registration: int) -> None:
@@ -515,6 +546,12 @@ class WorkspaceManager:
         views = []
         bases = []
         for dtype, shape, stride, byte_offset in layout.items:
+            if 0 in shape:
+                # No bytes: a fresh tensor, as for an all-empty request. A view here would
+                # be an empty window onto the slot's buffer, and an `out=` that resizes it
+                # (torch.cat(..., out=empty)) would write over its neighbours' bytes.
+                views.append((self._empty_maker(dtype), shape, stride, 0))
+                continue
             typed = slot.typed_view(dtype)  # one per view: see `_Slot.typed_view`
             bases.append(typed)
             element_offset = int(typed.storage_offset()) + byte_offset // dtype.itemsize
@@ -614,6 +651,19 @@ class WorkspaceManager:
                 "slots under the other ubatches' views. Lock outside dbo.overlap, after warmup"
             )
         with self._lock:
+            for index, slot in enumerate(self._slots):
+                if (
+                    slot.user is not None
+                    and slot.registration
+                    and registration_of_thread(slot.user) == slot.registration
+                ):
+                    # A thread outside any ubatch (a helper started inside one) while
+                    # that ubatch still runs: its slot would be reallocated under it.
+                    raise RuntimeError(
+                        f"WorkspaceManager.lock() was called while ubatch {index} of an "
+                        "overlap still uses its slot; it reallocates the slots under their "
+                        "views. Lock outside dbo.overlap, after warmup"
+                    )
             if self._capacity_bytes > 0:  # nothing was ever asked for: nothing to realize
                 for slot in self._slots:
                     if slot.buffer is None or slot.num_bytes != self._capacity_bytes:

@@ -190,6 +190,9 @@ def test_all_to_all_single_refuses_an_output_that_is_its_input(world_of_one: Non
         comm.all_to_all_single(tensor, tensor)
     with pytest.raises(ValueError, match="share memory"):
         comm.all_to_all_single(tensor.view(2, 2), tensor.view(2, 2), [2], [2])
+    parameter = torch.nn.Parameter(torch.zeros(4, 1), requires_grad=False)
+    with pytest.raises(ValueError, match="share memory"):
+        comm.all_to_all_single(parameter, parameter)
     empty = torch.empty(0, 3)
     comm.all_to_all_single(empty, empty)  # nothing to overwrite: allowed, as torch does
 

@@ -57,6 +57,9 @@ def test_bad_arguments() -> None:
         EmulatedLink(0.0, bandwidth_bytes_per_s=True)  # was taken as 1 byte/s
     with pytest.raises(TypeError, match="latency_s must be a number"):
         EmulatedLink(latency_s="0.1")  # type: ignore[arg-type]
+    # Numbers of other kinds are fine: a 0-dim tensor, an int.
+    link = EmulatedLink(latency_s=torch.tensor(0.001), bandwidth_bytes_per_s=1000)  # type: ignore[arg-type]
+    assert link.latency_s == pytest.approx(0.001)
 
 
 def test_two_ubatches_overlap_their_transfers_with_compute() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 from typing import Any
 
 import pytest
@@ -178,11 +179,6 @@ def test_a_namedtuple_whose_new_transforms_a_field_is_not_transformed_again() ->
     torch.testing.assert_close(out.a, x, rtol=0, atol=0)
 
 
-class CountedPair(collections.namedtuple("CountedPair", "x n")):  # noqa: PYI024
-    def __new__(cls, x: torch.Tensor, n: int = 0) -> CountedPair:
-        return super().__new__(cls, x, int(x.shape[0]))  # n derived from x
-
-
 class Tagged(collections.namedtuple("Tagged", "x")):  # noqa: PYI024
     def __new__(cls, x: torch.Tensor) -> Tagged:
         self = super().__new__(cls, x)
@@ -198,18 +194,43 @@ class NormalizedList:
         self.parts = [part / 255 for part in self.parts]
 
 
-def test_a_value_a_namedtuples_new_derives_follows_each_part_both_ways() -> None:
+def test_a_namedtuples_own_new_does_not_run_again_on_split_or_merge() -> None:
+    """Running it again on values it already made (once per part, once for the merge)
+    divided twice, counted calls, and broke `_replace`, the usual way to pass one on."""
+    calls: list[int] = []
+
+    class Counted(collections.namedtuple("Counted", "x n")):  # noqa: PYI024
+        def __new__(cls, x: torch.Tensor, n: int = 0) -> Counted:
+            calls.append(1)
+            return super().__new__(cls, x, int(x.shape[0]))
+
+    value = Counted(torch.arange(5.0))
+    calls.clear()
+    out = _overlap(lambda b: b._replace(x=b.x + 1))(value)
+    assert calls == []
+    assert type(out) is Counted
+    assert out.n == 5  # passed through unchanged (README: derived values do not follow)
+    torch.testing.assert_close(out.x, torch.arange(5.0) + 1, rtol=0, atol=0)
+
+
+@dataclasses.dataclass
+class Features:
+    feats: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.feats = {**self.feats, "rows": int(self.feats["x"].shape[0])}
+
+
+def test_a_derived_item_next_to_a_tensor_in_a_field_still_follows_each_part() -> None:
     seen: list[int] = []
 
-    def fn(pair: CountedPair) -> CountedPair:
-        seen.append(pair.n)
-        return CountedPair(pair.x * 1)
+    def fn(batch: Features) -> torch.Tensor:
+        seen.append(batch.feats["rows"])
+        return batch.feats["x"] * 1
 
-    out = _overlap(fn)(CountedPair(torch.arange(6.0)))
+    out = _overlap(fn)(Features({"x": torch.arange(6.0)}))
     assert seen == [3, 3]
-    assert type(out) is CountedPair
-    assert out.n == 6
-    torch.testing.assert_close(out.x, torch.arange(6.0), rtol=0, atol=0)
+    torch.testing.assert_close(out, torch.arange(6.0), rtol=0, atol=0)
 
 
 def test_attributes_a_namedtuples_new_sets_survive_the_merge() -> None:
@@ -358,9 +379,14 @@ def test_callbacks_an_aborted_ubatch_left_are_freed_while_the_error_is_kept() ->
         gc.enable()
 
 
-def test_a_hook_that_keeps_registering_itself_for_a_finished_ubatch_raises() -> None:
-    """A poller waiting for a turn of a ubatch that has returned: it spun until the
-    watchdog fired (or for good without one)."""
+def test_a_hook_that_keeps_registering_itself_for_a_finished_ubatch_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poller that never stops, for a ubatch that has returned: it spun until the
+    watchdog fired (or for good without one). Polling is bounded in time."""
+    from dbo import _run
+
+    monkeypatch.setattr(_run, "_HOOK_POLL_LIMIT_S", 0.2)
     runs: list[int] = []
 
     def poll() -> None:
@@ -374,5 +400,24 @@ def test_a_hook_that_keeps_registering_itself_for_a_finished_ubatch_raises() -> 
 
     with pytest.raises(RuntimeError, match="kept registering new hooks"):
         _overlap(fn)(torch.zeros(2))
-    assert len(runs) == 100
+    assert len(runs) > 1
     assert _overlap(lambda t: t + 1)(torch.zeros(2)).tolist() == [1.0, 1.0]  # usable
+
+
+def test_a_hook_that_polls_until_its_receive_completes_finishes() -> None:
+    done = threading.Event()
+    threading.Timer(0.02, done.set).start()  # the receive completes a little later
+    polls: list[int] = []
+
+    def poll() -> None:
+        polls.append(1)
+        if not done.is_set():
+            dbo.register_recv_hook(poll)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            dbo.register_recv_hook(poll)
+        return x
+
+    _overlap(fn)(torch.zeros(2))
+    assert done.is_set() and len(polls) > 1

@@ -1221,3 +1221,78 @@ def test_a_slot_keeps_nothing_of_a_finished_run_alive() -> None:
         assert len(kept) == 2 and all(ref() is None for ref in kept)
     finally:
         gc.enable()
+
+
+# ---------------------------------------------------------------- eighth-session audit
+def test_an_empty_view_next_to_real_ones_is_not_a_window_onto_them() -> None:
+    """An `out=` that torch resizes (an empty tensor passed to be sized) resized the
+    empty view in place over the slot's buffer: it wrote its neighbour's bytes."""
+    manager = WorkspaceManager("cpu")
+    empty, data = manager.get_simultaneous(((0,), torch.float32), ((64,), torch.float32))
+    data.fill_(7.0)
+    torch.cat([torch.zeros(8), torch.zeros(8)], out=empty)
+    assert empty.shape == (16,)
+    assert bool((data == 7.0).all())
+
+
+def test_a_graph_written_into_one_request_is_not_kept_by_the_next_one() -> None:
+    """A view written from a tensor that requires grad puts its typed view into the
+    graph; only the same request again forgot it, so requests that vary (sequence
+    lengths) kept one old graph, and its saved activations, each."""
+    manager = WorkspaceManager("cpu")
+    x = torch.randn(4, requires_grad=True)
+    intermediate = x * 3
+    saved = weakref.ref(intermediate)  # sin() saves it for backward
+    (view,) = manager.get_simultaneous(((4,), torch.float32))
+    view.copy_(intermediate.sin())
+    del view, intermediate
+    assert saved() is not None  # the graph still lives through the cached typed view
+    (other,) = manager.get_simultaneous(((8,), torch.float32))  # another request
+    assert saved() is None
+    assert not other.requires_grad
+
+
+def test_unhashable_requests_get_the_validators_message() -> None:
+    manager = WorkspaceManager("cpu")
+    with pytest.raises(TypeError, match="dimension \\[3\\] in shape"):
+        manager.get_simultaneous((([3], 4), torch.float32))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        manager.get_simultaneous(((4,), [torch.float32]))
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_an_empty_shape_with_strides_beyond_int64_is_refused_and_changes_nothing(
+    alone: bool,
+) -> None:
+    manager = WorkspaceManager("cpu")
+    stats = manager.stats()
+    huge_empty = ((2**62, 0, 4), torch.float32)
+    requests = (huge_empty,) if alone else (huge_empty, ((4,), torch.float32))
+    for _ in range(2):  # nothing cached that would fail the same way from the fast path
+        with pytest.raises(ValueError, match="beyond int64"):
+            manager.get_simultaneous(*requests)
+    assert manager.stats() == stats
+
+
+def test_lock_from_a_helper_thread_while_an_overlap_uses_the_slots_is_refused() -> None:
+    manager = WorkspaceManager("cpu", num_ubatches=2)
+    errors: list[BaseException] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        manager.get_simultaneous(((64,), torch.float32))
+        if dbo.current_ubatch_id() == 0:
+
+            def helper() -> None:  # a thread outside any ubatch
+                try:
+                    manager.lock()
+                except RuntimeError as error:
+                    errors.append(error)
+
+            thread = threading.Thread(target=helper)
+            thread.start()
+            thread.join(JOIN_TIMEOUT_S)
+        return x
+
+    dbo.overlap(fn, timeout_s=JOIN_TIMEOUT_S)(torch.zeros(2))
+    assert len(errors) == 1 and "still uses its slot" in str(errors[0])
+    manager.lock()  # after the overlap: fine
