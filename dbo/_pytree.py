@@ -221,10 +221,11 @@ def _rebuild_dataclass(
     node_type: type, keys: tuple[Any, ...], values: list[Any], template: Any
 ) -> Any:
     """Call the constructor with the init fields, so that `__post_init__` derives fields
-    from the new contents; then set the exposed `init=False` fields, and the tensors
-    again: the values are already what a `__post_init__` made of them once, and one
-    that transforms a field (`self.pixels = self.pixels / 255`, an `unsqueeze`) must not
-    apply twice, while the values it derives (a row count) must follow the part. A
+    from the new contents; then set the exposed `init=False` fields, and the fields
+    that hold tensors only (`_holds_tensors`) again: they are already what a
+    `__post_init__` made of them once, and one that transforms a field (`self.pixels =
+    self.pixels / 255`, an `unsqueeze`) must not apply twice, while the values it
+    derives (a row count) must follow the part. A
     dataclass whose constructor takes other parameters (an `InitVar`) is copied and its
     fields set."""
     init_names = _constructor_fields(node_type)
