@@ -353,6 +353,7 @@ class UBatchRunner:
             for ubatch_id, (args, kwargs) in enumerate(inputs)
         ]
         self._current_run = run
+        waited = False
         if self._closed:  # close() gave up on the lock before it could see this run
             run.baton.abort("the runner was closed", wake_all=True)
         try:
@@ -360,6 +361,7 @@ class UBatchRunner:
                 worker.submit(job)
             run.baton.start()
             self._wait(run, timeout_s)
+            waited = True
         except BaseException as error:
             # The watchdog, or an interrupt (KeyboardInterrupt) anywhere above, even inside
             # a submit: no worker may stay parked. Abort first, so that a job the baton
@@ -398,7 +400,9 @@ class UBatchRunner:
             raise
         finally:
             self._current_run = None
-            if self._broken is None:  # every ubatch has ended (a stuck one may still add)
+            if self._broken is None and (not waited or run.first_failure is not None):
+                # Every ubatch has ended (a stuck one could still add): what an aborted
+                # one left is dropped (a run that succeeded left nothing).
                 run.drop_leftovers()
             if self._closed:
                 _stop_all(self._workers)
@@ -406,6 +410,7 @@ class UBatchRunner:
         failure = run.first_failure or _first_failure(errors)
         if failure is None:
             return results
+        run.drop_leftovers()  # a failure recorded only in `errors`
         # Nothing here may keep the error once it is raised: this frame is on its
         # traceback, so a reference from a local (or from the run, which a local holds)
         # would be a cycle, and the failed call's inputs and activations (the ubatch's
