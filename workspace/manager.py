@@ -251,7 +251,10 @@ def _make_layout(requests: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> _La
 def _joined_graph(entry: _Entry) -> bool:
     """Whether a typed view of `entry` joined an autograd graph. A function, so that no
     loop variable of the caller keeps a typed view (and its buffer) alive."""
-    return any(base.requires_grad for base in entry.bases)
+    for base in entry.bases:  # noqa: SIM110 - any(<generator>) costs ~0.5 us more per call
+        if base.requires_grad:
+            return True
+    return False
 
 
 class _Entry:
