@@ -13,6 +13,7 @@ each starts at an address that is a multiple of 256 bytes, and they stay valid u
 from __future__ import annotations
 
 import logging
+import numbers
 import operator
 import os
 import sys
@@ -432,10 +433,15 @@ class WorkspaceManager:
                 entry = None
         if entry is not None:
             # True == 1 and 2.0 == 2 hash alike: a cached int request must not let a bool
-            # or float dimension through unchecked. Exact ints only on the fast path.
+            # or float dimension through unchecked. Ints, and integers of other types
+            # that compare by value (numpy ints, which the validator accepts and which
+            # took the slow path on every call, ~6x slower); not a tensor (an id-hashed
+            # key whose value may have changed since).
             for shape, _ in shapes_and_dtypes:
                 for dim in shape:
-                    if type(dim) is not int:
+                    if type(dim) is not int and (
+                        isinstance(dim, bool) or not isinstance(dim, numbers.Integral)
+                    ):
                         entry = None
                         break
             if entry is not None and _joined_graph(entry):

@@ -1296,3 +1296,32 @@ def test_lock_from_a_helper_thread_while_an_overlap_uses_the_slots_is_refused() 
     dbo.overlap(fn, timeout_s=JOIN_TIMEOUT_S)(torch.zeros(2))
     assert len(errors) == 1 and "still uses its slot" in str(errors[0])
     manager.lock()  # after the overlap: fine
+
+
+def test_numpy_int_dimensions_take_the_fast_path_and_tensor_dimensions_do_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """numpy ints went through validation, layout and the stack walk on every call;
+    a 0-dim tensor dimension (hashed by identity, its value may change) must not hit."""
+    import numpy as np
+
+    manager = WorkspaceManager("cpu")
+    prepared: list[int] = []
+    original = manager._prepare
+
+    def counting(*args: Any) -> Any:
+        prepared.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(manager, "_prepare", counting)
+    for _ in range(5):
+        (view,) = manager.get_simultaneous(((np.int64(4), np.int32(8)), torch.float32))
+        assert view.shape == (4, 8)
+    assert len(prepared) == 1
+    dim = torch.tensor(4)
+    (view,) = manager.get_simultaneous(((dim,), torch.float32))
+    dim.fill_(6)  # the same object, another value
+    (view,) = manager.get_simultaneous(((dim,), torch.float32))
+    assert view.shape == (6,)
+    with pytest.raises(TypeError, match="bool"):
+        manager.get_simultaneous(((np.int64(4), True), torch.float32))
