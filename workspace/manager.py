@@ -104,16 +104,27 @@ def _debug_enabled() -> bool:
     return value not in ("", "0", "false", "no", "off")
 
 
+_own_handler: logging.Handler | None = None
+"""The stderr handler `_debug_log` attached, while nothing else handles its messages."""
+
+
 def _debug_log(message: str, *args: Any) -> None:
     """Log at INFO when DBO_DEBUG_WORKSPACE is set.
 
     Asking for the logs with the variable should show them even in a program that never
     configured `logging`: in that case a stderr handler is attached once.
     """
+    global _own_handler
     if not _debug_enabled():
         return
+    if _own_handler is not None and logging.getLogger().handlers:
+        # The program configured logging since (`logging.basicConfig` after the first
+        # message): its handlers print now, and ours would print every message twice.
+        logger.removeHandler(_own_handler)
+        _own_handler = None
     if not logger.hasHandlers():
-        logger.addHandler(logging.StreamHandler())
+        _own_handler = logging.StreamHandler()
+        logger.addHandler(_own_handler)
     if logger.getEffectiveLevel() > logging.INFO:
         logger.setLevel(logging.INFO)
     logger.info(message, *args)

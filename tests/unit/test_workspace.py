@@ -1325,3 +1325,35 @@ def test_numpy_int_dimensions_take_the_fast_path_and_tensor_dimensions_do_not(
     assert view.shape == (6,)
     with pytest.raises(TypeError, match="bool"):
         manager.get_simultaneous(((np.int64(4), True), torch.float32))
+
+
+def test_the_debug_handler_steps_aside_once_the_program_configures_logging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attached because nothing handled the messages, it stayed after a later
+    `logging.basicConfig`, and every message printed twice."""
+    from workspace import manager as manager_module
+
+    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])  # a program that configured nothing
+    ours = manager_module.logger
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(manager_module, "_own_handler", None)
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    level = ours.level
+    try:
+        manager_module._debug_log("first")
+        attached = manager_module._own_handler
+        assert attached is not None and attached in ours.handlers
+        root.addHandler(Collect())  # the program calls logging.basicConfig(...) now
+        manager_module._debug_log("second")
+        assert attached not in ours.handlers and manager_module._own_handler is None
+        assert records == ["second"]  # printed once, by the program's handler
+    finally:
+        ours.setLevel(level)  # _debug_log lowers it to INFO
