@@ -400,9 +400,9 @@ class UBatchRunner:
             raise
         finally:
             self._current_run = None
-            if self._broken is None and (not waited or run.first_failure is not None):
-                # Every ubatch has ended (a stuck one could still add): what an aborted
-                # one left is dropped (a run that succeeded left nothing).
+            if self._broken is None and not waited:
+                # Aborted, and every ubatch has ended (a stuck one could still add): what
+                # they left is dropped. A run that ended on its own does so below.
                 run.drop_leftovers()
             if self._closed:
                 _stop_all(self._workers)
@@ -410,7 +410,7 @@ class UBatchRunner:
         failure = run.first_failure or _first_failure(errors)
         if failure is None:
             return results
-        run.drop_leftovers()  # a failure recorded only in `errors`
+        run.drop_leftovers()  # what its aborted ubatches left (a success leaves nothing)
         # Nothing here may keep the error once it is raised: this frame is on its
         # traceback, so a reference from a local (or from the run, which a local holds)
         # would be a cycle, and the failed call's inputs and activations (the ubatch's
