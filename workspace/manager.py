@@ -319,6 +319,15 @@ class _Slot:
         self.last_entry = None
         self.buffer = None
 
+    def held_by_a_running_ubatch(self) -> bool:
+        """Whether the thread that asked last still runs the very ubatch registration it
+        asked from (then no other thread may take or reallocate the slot)."""
+        return (
+            self.user is not None
+            and self.registration != 0
+            and registration_of_thread(self.user) == self.registration
+        )
+
     def forget_history(self) -> None:
         """Drop the cached requests after one of their typed views joined a graph.
 
@@ -481,13 +490,7 @@ class WorkspaceManager:
         overwrite the other's views without a word. A last user that has moved on (its
         run ended, even if the same worker now runs another overlap) hands the slot on."""
         with self._lock:
-            previous, previous_registration = slot.user, slot.registration
-            if (
-                previous is not None
-                and previous != user
-                and previous_registration != 0
-                and registration_of_thread(previous) == previous_registration
-            ):
+            if slot.user != user and slot.held_by_a_running_ubatch():
                 raise RuntimeError(
                     f"workspace slot {ubatch_id} is in use by another thread, which runs "
                     f"ubatch {ubatch_id} of an overlap now; one slot per ubatch id means one "
@@ -672,11 +675,7 @@ class WorkspaceManager:
             )
         with self._lock:
             for index, slot in enumerate(self._slots):
-                if (
-                    slot.user is not None
-                    and slot.registration
-                    and registration_of_thread(slot.user) == slot.registration
-                ):
+                if slot.held_by_a_running_ubatch():
                     # A thread outside any ubatch (a helper started inside one) while
                     # that ubatch still runs: its slot would be reallocated under it.
                     raise RuntimeError(
