@@ -40,11 +40,18 @@ def test_comm_overlap_benchmark_runs_and_prints_every_column() -> None:
     assert len(rows) == 3, completed.stdout
     assert rows[1].split()[-1] in ("faster", "tie", "slower"), rows[1]
     shares = next(line for line in lines if line.startswith("per ubatch") and "comm" in line)
-    assert shares.split()[2:] == ["comm", "CI", "runtime", "CI"], shares
-    comm_share, comm_ci, runtime_share, runtime_ci = rows[2].split()[3:]
-    for share, interval in ((comm_share, comm_ci), (runtime_share, runtime_ci)):
+    assert shares.split()[2:] == [
+        "comm", "CI", "runtime", "CI", "threads", "CI", "thr", "vs", "pipe"
+    ], shares
+    comm_share, comm_ci, runtime_share, runtime_ci, thread_share, thread_ci, verdict = (
+        rows[2].split()[3:]
+    )
+    for share, interval in (
+        (comm_share, comm_ci), (runtime_share, runtime_ci), (thread_share, thread_ci)
+    ):
         low, high = (float(bound) for bound in interval.split("-"))
         assert low <= float(share) <= high, rows[2]
+    assert verdict in ("faster", "tie", "slower"), rows[2]
 
 
 def _benchmark_module() -> Any:
