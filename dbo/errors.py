@@ -41,14 +41,26 @@ def describe(error: BaseException) -> str:
 
 def add_note(error: BaseException, note: str) -> None:
     """Add `note` to `error` (shown under its traceback) unless it already has it: the
-    same exception object raised again by a later call keeps one copy."""
-    if note in getattr(error, "__notes__", ()):
+    same exception object raised again by a later call keeps one copy.
+
+    Never raises: `error` is what the caller must get. `__notes__` that code set to
+    something other than a list (a tuple), which `add_note` refuses, become a list of
+    the notes they held (when they are a tuple or list of strings) plus this one."""
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list) or notes is None:
+        if notes is not None and note in notes:
+            return
+        if hasattr(error, "add_note"):
+            with contextlib.suppress(Exception):
+                error.add_note(note)
+                return
+    kept = []
+    if isinstance(notes, (tuple, list)):
+        kept = [item for item in notes if isinstance(item, str)]
+    if note in kept:
         return
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # Python 3.10: the attribute that add_note fills in
-        with contextlib.suppress(AttributeError, TypeError):
-            error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+    with contextlib.suppress(AttributeError, TypeError):
+        error.__notes__ = [*kept, note]  # type: ignore[attr-defined]
 
 
 def attach_ubatch_id(error: BaseException, ubatch_id: int, num_ubatches: int) -> None:

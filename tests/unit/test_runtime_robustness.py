@@ -668,3 +668,24 @@ def test_a_worker_outlives_an_error_escaping_its_job(
             ]
     assert failures == []
     assert "unexpected error in worker" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("notes", [("tagged upstream",), "not even a sequence of notes"])
+def test_an_error_whose_notes_are_not_a_list_still_reaches_the_caller(notes: object) -> None:
+    """Some code sets `__notes__` to a tuple (or worse); `add_note` then raises TypeError,
+    which must not replace the ubatch's own error."""
+
+    class Tagged(ValueError):
+        pass
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            error = Tagged("the real failure")
+            error.__notes__ = notes  # type: ignore[attr-defined]
+            raise error
+        return x
+
+    with pytest.raises(Tagged, match="the real failure") as caught:
+        dbo.overlap(fn, timeout_s=30)(torch.ones(4))
+    assert caught.value.ubatch_id == 1  # type: ignore[attr-defined]
+    assert any("raised in ubatch 1 of 2" in note for note in caught.value.__notes__)
