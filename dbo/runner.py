@@ -85,6 +85,10 @@ class _Worker:
         self._job: _UBatchJob | None = None
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (not in `__init__`: the runner holds every worker before
+        any thread runs, so that it can stop them all if a start is interrupted)."""
         self.thread.start()
 
     def submit(self, job: _UBatchJob) -> None:
@@ -150,6 +154,14 @@ class UBatchRunner:
             _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}", self.cpus)
             for i in range(self.num_ubatches)
         ]
+        try:
+            for worker in self._workers:
+                worker.start()
+        except BaseException:
+            # An interrupt (Ctrl-C) while a thread starts: nothing will refer to this
+            # runner, so the threads already parked would stay parked for good.
+            _stop_all(self._workers)
+            raise
         self._fork_generation = _fork_generation
         # A runner dropped without close() must not leave its threads parked forever.
         weakref.finalize(self, _stop_all_here, self._workers, self._fork_generation)

@@ -11,6 +11,7 @@ import gc
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -279,3 +280,37 @@ def test_a_run_left_broken_still_orders_the_callers_stream_after_the_ubatch_stre
     finally:
         release.set()
         runner.close()
+
+
+def test_an_interrupt_while_a_runner_starts_its_workers_leaves_none_behind() -> None:
+    """A Ctrl-C that lands while the second worker thread starts (the first already
+    parked on its wake-up): the constructor stops the workers it started."""
+    import os
+    import signal
+    import sys
+
+    starts = [0]
+    target = threading.Thread.start.__code__
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is target:
+            starts[0] += 1
+            if starts[0] == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # raised at the next bytecode
+        return None
+
+    def dbo_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("dbo-ubatch")}
+
+    before = dbo_threads()
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            dbo.UBatchRunner(2)
+    finally:
+        sys.settrace(None)
+    assert starts[0] >= 2
+    deadline = time.monotonic() + 10
+    while dbo_threads() - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not dbo_threads() - before, "a worker thread started by the failed constructor lives on"
