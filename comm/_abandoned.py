@@ -51,18 +51,16 @@ def settle(timeout_s: float = EXIT_WAIT_S) -> int:
     Returns how many are still in flight (kept for a later call). Never raises: an
     abandoned collective's failure was the reason, or a consequence, of the abort.
     """
-    with _lock:
-        pending = list(_works)
-        _works.clear()
+    # The list stays in place while it is polled: an interrupt (Ctrl-C during
+    # `destroy_distributed()`) must not lose what the exit-time settle still waits for.
     deadline = time.monotonic() + timeout_s
     while True:
-        pending = [work for work in pending if not _over(work)]
-        if not pending or time.monotonic() >= deadline:
-            break
+        with _lock:
+            _works[:] = [work for work in _works if not _over(work)]
+            remaining = len(_works)
+        if not remaining or time.monotonic() >= deadline:
+            return remaining
         time.sleep(0.001)
-    with _lock:
-        _works.extend(pending)
-    return len(pending)
 
 
 def in_flight() -> int:

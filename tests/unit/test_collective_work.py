@@ -437,3 +437,30 @@ def test_destroy_distributed_settles_abandoned_collectives(
     monkeypatch.setattr(_abandoned, "settle", lambda timeout_s=1.0: calls.append(timeout_s))
     comm.destroy_distributed()
     assert len(calls) == 1
+
+
+def test_an_interrupted_settle_keeps_the_collectives_still_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while `settle()` waits (in `destroy_distributed()`): the exit-time settle
+    must still know the collective is running."""
+    from comm import _abandoned
+
+    class StillRunning:
+        def is_completed(self) -> bool:
+            return False
+
+    work = StillRunning()
+    _abandoned.abandon(work)
+    try:
+        def interrupted(seconds: float) -> None:
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(_abandoned.time, "sleep", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                _abandoned.settle(timeout_s=5.0)
+        assert _abandoned.in_flight() >= 1
+    finally:
+        with _abandoned._lock:
+            _abandoned._works[:] = [kept for kept in _abandoned._works if kept is not work]
