@@ -56,7 +56,9 @@ _state = _State()
 
 
 def _torchrun_hint(missing: list[str]) -> str:
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "your_script.py"
+    # As typed (examples/moe_overlap.py from the repository root), not its base name:
+    # the command is meant to be pasted where the program was started.
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "your_script.py"
     return (
         f"comm.init_distributed() needs the environment that torchrun sets; missing: "
         f"{', '.join(missing)}. Launch with\n"

@@ -226,6 +226,10 @@ def overlap(
         isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int)
     ):
         raise TypeError(f"min_batch_size must be an int or None, got {min_batch_size!r}")
+    if min_batch_size is not None and min_batch_size < 1:
+        raise ValueError(
+            f"min_batch_size must be >= 1 (or None: no minimum), got {min_batch_size}"
+        )
     for name, value in (("split", split), ("merge", merge)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable, got {value!r}")

@@ -83,7 +83,9 @@ class Trace:
     """The spans recorded while a `dbo.trace()` block was active."""
 
     def __init__(self, max_spans: int = DEFAULT_MAX_SPANS) -> None:
-        if isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1:
+        if isinstance(max_spans, bool) or not isinstance(max_spans, int):
+            raise TypeError(f"max_spans must be an int >= 1, got {max_spans!r}")
+        if max_spans < 1:
             raise ValueError(f"max_spans must be an int >= 1, got {max_spans!r}")
         self.max_spans = max_spans
         self.spans: list[Span] = []

@@ -505,7 +505,8 @@ class WorkspaceManager:
         return RuntimeError(
             f"ubatch {ubatch_id} asked for workspace, but the manager has "
             f"{len(self._slots)} slot(s); create it with num_ubatches >= "
-            f"{ubatch_id + 1} (init_workspace_manager(device, num_ubatches=...))"
+            f"{ubatch_id + 1} (reset_workspace_manager(), then "
+            "init_workspace_manager(device, num_ubatches=...))"
         )
 
     # ------------------------------------------------------------------ slow path

@@ -35,6 +35,16 @@ def test_without_torchrun_env_the_error_shows_the_command(no_torchrun_env: None)
     assert not dist.is_initialized()
 
 
+def test_the_command_names_the_script_as_it_was_started(
+    no_torchrun_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pasted where the program was started, the command must find the script."""
+    monkeypatch.setattr("sys.argv", ["examples/moe_overlap.py", "--layers", "2"])
+    expected = "nproc-per-node 2 examples/moe_overlap.py"
+    with pytest.raises(comm.TorchrunEnvironmentError, match=expected):
+        comm.init_distributed()
+
+
 def test_single_process_world_and_idempotence(no_torchrun_env: None) -> None:
     rank, world_size, device = comm.init_distributed(allow_single_process=True)
     assert (rank, world_size, device) == (0, 1, torch.device("cpu"))

@@ -753,3 +753,10 @@ def test_the_split_keeps_the_inputs_graph_under_the_callers_no_grad() -> None:
     (expected,) = torch.autograd.grad(plain.sum(), x)
     (got,) = torch.autograd.grad(overlapped.sum(), x)
     assert torch.allclose(got, expected)
+
+
+@pytest.mark.parametrize("bad", [0, -5])
+def test_a_min_batch_size_below_one_is_refused_when_wrapping(bad: int) -> None:
+    """It would silently mean "no minimum"; a typo (0 for 10) should not pass unseen."""
+    with pytest.raises(ValueError, match="min_batch_size must be >= 1"):
+        dbo.overlap(lambda x: x, min_batch_size=bad)

@@ -82,6 +82,8 @@ def test_spans_past_max_spans_are_counted_not_kept() -> None:
     assert first_line.startswith("TRUNCATED: 10 spans dropped past max_spans=3"), first_line
     with pytest.raises(ValueError, match="max_spans"):
         dbo.Trace(max_spans=0)
+    with pytest.raises(TypeError, match="max_spans"):  # a wrong type, like every other check
+        dbo.Trace(max_spans="10")  # type: ignore[arg-type]
 
 
 def test_collective_waits_are_recorded_on_their_ubatch_and_the_caller(

@@ -1357,3 +1357,10 @@ def test_the_debug_handler_steps_aside_once_the_program_configures_logging(
         assert records == ["second"]  # printed once, by the program's handler
     finally:
         ours.setLevel(level)  # _debug_log lowers it to INFO
+
+
+def test_too_few_slots_names_the_reset_that_a_new_manager_needs() -> None:
+    """`init_workspace_manager` refuses while a manager exists: the advice names both."""
+    manager = WorkspaceManager(torch.device("cpu"), num_ubatches=1)
+    with pytest.raises(RuntimeError, match=r"reset_workspace_manager\(\), then init_workspace"):
+        _in_ubatch(1, 2, lambda: manager.get_simultaneous(((8,), torch.uint8)))
