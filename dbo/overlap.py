@@ -17,7 +17,13 @@ import torch
 
 from dbo import _affinity, tracing
 from dbo._context import current_context
-from dbo.runner import UBatchRunner, check_num_ubatches, check_timeout, is_ubatch_input
+from dbo.runner import (
+    UBatchRunner,
+    check_num_ubatches,
+    check_timeout,
+    describe_ubatch_input,
+    is_ubatch_input,
+)
 from dbo.split import (
     UBatchInputs,
     batch_size_of,
@@ -341,16 +347,10 @@ def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
     for index, part in enumerate(parts):
         if not is_ubatch_input(part):
             raise TypeError(
-                f"split= returned {_describe_part(part)} as part {index}; each part must be "
+                f"split= returned {describe_ubatch_input(part)} as part {index}; each part must be "
                 "an (args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
             )
     return parts
-
-
-def _describe_part(part: Any) -> str:
-    if isinstance(part, tuple) and len(part) == 2:
-        return f"a pair of ({type(part[0]).__name__}, {type(part[1]).__name__})"
-    return f"a {type(part).__name__}"
 
 
 _FAILED_RANK = -1

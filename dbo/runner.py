@@ -58,6 +58,14 @@ def is_ubatch_input(item: Any) -> bool:
     )
 
 
+def describe_ubatch_input(item: Any) -> str:
+    """What `item` is, for an error saying it is not an `(args_tuple, kwargs_dict)` pair:
+    the types inside a pair ("a pair of (list, dict)"), else the item's type."""
+    if isinstance(item, tuple) and len(item) == 2:
+        return f"a pair of ({type(item[0]).__name__}, {type(item[1]).__name__})"
+    return f"a {type(item).__name__}"
+
+
 def check_timeout(timeout_s: Any) -> float | None:
     """Validate a watchdog timeout: None or seconds > 0 (infinity means None)."""
     if timeout_s is None:
@@ -294,7 +302,7 @@ class UBatchRunner:
             if not is_ubatch_input(item):
                 raise TypeError(
                     f"ubatch_inputs[{index}] must be an (args_tuple, kwargs_dict) pair, "
-                    f"got {type(item).__name__}"
+                    f"got {describe_ubatch_input(item)}"
                 )
         self._refuse_own_ubatch_thread("run")
         if self._forked_away():  # checked before the run lock, which the fork may have copied held

@@ -314,3 +314,12 @@ def test_an_interrupt_while_a_runner_starts_its_workers_leaves_none_behind() -> 
     while dbo_threads() - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not dbo_threads() - before, "a worker thread started by the failed constructor lives on"
+
+
+def test_a_malformed_ubatch_input_is_described_by_what_is_inside_the_pair() -> None:
+    """`([1], {})` is a tuple: "got tuple" pointed away from the list that is wrong."""
+    with dbo.UBatchRunner(2) as runner:
+        with pytest.raises(TypeError, match=r"got a pair of \(list, dict\)"):
+            runner.run(lambda x: x, [([1], {}), ([2], {})])
+        with pytest.raises(TypeError, match="got a list"):
+            runner.run(lambda x: x, [[(1,), {}], [(2,), {}]])
