@@ -526,6 +526,7 @@ class _UBatchJob:
         if not self._claim.acquire(blocking=False):
             return  # revoked by an aborted run, which counted this ubatch as finished
         run, ubatch_id = self.run, self.ubatch_id
+        generation = _fork_generation
         try:
             context = UBatchContext(ubatch_id, run.num_ubatches, run)
             with registered(context), _thread_settings.applied(self.settings):
@@ -534,7 +535,10 @@ class _UBatchJob:
                 run.enter(ubatch_id)
                 try:
                     self.results[ubatch_id] = self.fn(*self.args, **self.kwargs)
-                    run.finish_normally(ubatch_id)
+                    # A child forked inside `fn` ends here (the worker ends the process):
+                    # the run's hooks and exit callbacks are the parent's to run.
+                    if generation == _fork_generation:
+                        run.finish_normally(ubatch_id)
                 finally:
                     run.exit(ubatch_id, previous_stream)
         except BaseException as error:  # noqa: B036 - every failure must reach the caller
@@ -554,7 +558,8 @@ class _UBatchJob:
             self.results = self.errors = None  # type: ignore[assignment]
             baton = run.baton
             self.run = run = context = None  # type: ignore[assignment]
-            baton.finish(ubatch_id)
+            if generation == _fork_generation:  # a child's wake-ups are the parent's
+                baton.finish(ubatch_id)
 
 
 _MAX_STREAM_DRAWS = 128

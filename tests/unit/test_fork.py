@@ -176,3 +176,39 @@ def test_a_forked_child_does_not_inherit_the_parents_abandoned_collectives(
     if pid == 0:  # they never complete in the child: it must not wait for them at exit
         os._exit(0 if _abandoned.in_flight() == 0 else 3)
     assert _wait_for(pid, timeout_s=30.0) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_inside_a_ubatch_runs_none_of_the_parents_hooks_or_callbacks() -> None:
+    """The child runs the rest of `fn` outside any overlap: a recv hook another ubatch
+    registered and this ubatch's exit callbacks belong to the parent's run (a receive
+    or a collective wait run twice, the second time in a process with no peer)."""
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    children: list[int] = []
+
+    def note(what: str) -> None:
+        where = "parent" if os.getpid() == parent else "child"
+        os.write(write_end, f"{what} in {where}\n".encode())
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            dbo.register_recv_hook(lambda: note("hook"))
+            dbo.yield_()
+            return x
+        dbo.at_ubatch_exit(lambda: note("exit callback"))
+        pid = os.fork()
+        if pid == 0:
+            return x  # the child's fn ends here; its worker then ends the process
+        children.append(pid)
+        return x
+
+    try:
+        dbo.overlap(fn, timeout_s=30)(torch.ones(4))
+        assert len(children) == 1
+        assert _wait_for(children[0], 30.0) == 0
+    finally:
+        os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        lines = sorted(pipe.read().splitlines())
+    assert lines == ["exit callback in parent", "hook in parent"], lines
