@@ -153,7 +153,7 @@ class Baton:
 
     def finish(self, ubatch_id: int) -> None:
         """`ubatch_id` is done: pass the baton on if it held it, and signal the caller if
-        it was the last.
+        it was the last. Idempotent.
 
         A ubatch that did not hold the baton (its job revoked by an interrupted caller,
         or woken by the watchdog while another ubatch is stuck) passes nothing on: the
@@ -161,6 +161,8 @@ class Baton:
         """
         successor = None
         with self._mutex:
+            if not self._live[ubatch_id]:
+                return  # counted already (a revoked job, counted again after an interrupt)
             recording = tracing._active
             held = self.holder == ubatch_id
             started = self._turn_start[ubatch_id]

@@ -154,6 +154,9 @@ class UBatchRunner:
         self._broken: str | None = None
         self._current_run: OverlapRun | None = None
         self._aborted_run: OverlapRun | None = None
+        self._aborted_jobs: list[_UBatchJob] = []
+        """The aborted run's jobs: one revoked there but not yet counted as finished (a
+        second interrupt between the two) is counted when the next run asks."""
         self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
         self.cpus = _affinity.cpus_of_this_thread()
         """The CPUs of the creating thread, which the workers inherit and keep (Linux;
@@ -317,13 +320,17 @@ class UBatchRunner:
                     raise RuntimeError("this UBatchRunner is closed; create a new one")
                 if self._broken is not None:
                     aborted = self._aborted_run
+                    if aborted is not None:
+                        for ubatch_id, job in enumerate(self._aborted_jobs):
+                            if job.revoked:  # finish() is idempotent
+                                aborted.baton.finish(ubatch_id)
                     if aborted is None or not aborted.baton.wait_done(0):
                         raise RuntimeError(
                             f"this UBatchRunner is unusable until its aborted run ends: "
                             f"{self._broken}"
                         )
                     self._broken = None  # the stuck ubatch has returned: usable again
-                    self._aborted_run = None
+                    self._aborted_run, self._aborted_jobs = None, []
                 return self._run_locked(fn, inputs, timeout_s, device)
         finally:
             # A close() that gave up on the run lock as this run ended may have found
@@ -391,7 +398,7 @@ class UBatchRunner:
             # the runner is unusable.
             # First, so that a second interrupt anywhere below still leaves the runner
             # able to tell when this run has ended (run() checks `_aborted_run`).
-            self._aborted_run = run
+            self._aborted_run, self._aborted_jobs = run, jobs
             self._broken = "an aborted run's ubatch threads have not finished"
             reason = (
                 "the watchdog fired" if isinstance(error, OverlapTimeoutError)
@@ -404,7 +411,7 @@ class UBatchRunner:
             run.baton.abort(reason, wake_all=True)
             if run.baton.wait_done(_ABORT_GRACE_S):
                 self._broken = None
-                self._aborted_run = None
+                self._aborted_run, self._aborted_jobs = None, []
                 self._join_streams(run, caller_stream)
             else:
                 self._broken = (
@@ -490,7 +497,7 @@ class _UBatchJob:
 
     __slots__ = (
         "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim",
-        "failed",
+        "failed", "revoked",
     )
 
     def __init__(
@@ -511,11 +518,14 @@ class _UBatchJob:
         """Taken once: by the worker when the job starts, or by `revoke`."""
         self.failed = False
         """Whether the ubatch raised (the exit status of a child forked inside it)."""
+        self.revoked = False
+        """Whether `revoke` stopped it: it never runs, so the caller counts it as finished."""
 
     def revoke(self) -> bool:
         """Stop the job from ever running; False if it has already started."""
         if not self._claim.acquire(blocking=False):
             return False
+        self.revoked = True
         # It may sit in its worker until the next submit: it must not keep the run (and
         # through it the runner, the inputs and fn) alive meanwhile.
         self.run = self.fn = self.args = self.kwargs = None  # type: ignore[assignment]

@@ -323,3 +323,39 @@ def test_a_malformed_ubatch_input_is_described_by_what_is_inside_the_pair() -> N
             runner.run(lambda x: x, [([1], {}), ([2], {})])
         with pytest.raises(TypeError, match="got a list"):
             runner.run(lambda x: x, [[(1,), {}], [(2,), {}]])
+
+
+def test_a_second_interrupt_right_after_a_revoke_still_lets_the_runner_recover(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watchdog fires while ubatch 1 has not started; a second interrupt lands
+    between revoking its job and counting it as finished. Once ubatch 0 returns, the
+    runner must be usable again (it stayed "unusable until its aborted run ends")."""
+    original_revoke = runner_module._UBatchJob.revoke
+
+    def revoke_then_interrupted(job: Any) -> bool:
+        if original_revoke(job):
+            raise KeyboardInterrupt  # the second Ctrl-C, before the caller's finish()
+        return False
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            time.sleep(1.0)  # past timeout_s and the abort's grace
+        return x
+
+    x = torch.ones(2)
+    with dbo.UBatchRunner(2) as runner:
+        with monkeypatch.context() as patch:
+            patch.setattr(runner_module._UBatchJob, "revoke", revoke_then_interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                runner.run(fn, [((x,), {}), ((x,), {})], timeout_s=0.2)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                outputs = runner.run(lambda t: t + 1, [((x,), {}), ((x,), {})], timeout_s=30)
+                break
+            except RuntimeError as error:
+                assert "unusable until its aborted run ends" in str(error)
+                assert time.monotonic() < deadline, "the runner never recovered"
+                time.sleep(0.05)
+        assert all(torch.equal(output, x + 1) for output in outputs)
