@@ -591,7 +591,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds per mode")
     parser.add_argument("--layers", type=int, default=16, help="layers per step")
-    parser.add_argument("--timeout-s", type=float, default=110.0, help="give up after this")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="give up after this")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin each rank to its own core")
     parser.add_argument(

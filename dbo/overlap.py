@@ -217,7 +217,8 @@ def overlap(
             every rank the same batch size.
         timeout_s: watchdog; a ubatch holding the baton longer raises
             `OverlapTimeoutError` naming it and showing its stack. None: no watchdog.
-        device: where the ubatch streams live; None: the first input tensor's device.
+        device: where the ubatch streams live; None: the device of the first CUDA tensor
+            in the inputs (CPU when there is none).
         decision_group: a `torch.distributed` process group (or
             `torch.distributed.group.WORLD`) whose ranks decide together: the local batch
             sizes are all-reduced (MIN) on it, one small collective per call, and every
@@ -225,6 +226,8 @@ def overlap(
             when ranks may see different batch sizes and `fn` communicates. A rank whose
             input cannot be sized (tensors whose dim 0 differ) still takes part before it
             raises, and every other rank then raises RuntimeError instead of waiting.
+            Build the wrapper after `comm.init_distributed()`: before it,
+            `torch.distributed.group.WORLD` is None, which means "no decision group".
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)

@@ -135,8 +135,8 @@ class UBatchRunner:
 
     Args:
         num_ubatches: how many ubatches (and worker threads), >= 1.
-        device: where the ubatches' streams live. None: the device of the first tensor
-            in each run's inputs (CPU when there is none).
+        device: where the ubatches' streams live. None: the device of the first CUDA
+            tensor in each run's inputs (CPU when there is none).
 
     The workers start with the runner and live until `close()`, until the runner is
     garbage-collected, or until interpreter exit (they are daemon threads). One run at a
