@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import atexit
 import math
 import os
 import sys
@@ -19,11 +20,47 @@ from dbo import _affinity, _thread_settings
 from dbo._context import UBatchContext, current_context, registered
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._wakeup import Wakeup
+from dbo.baton import Baton
 from dbo.device import DeviceBackend, backend_for
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id, describe
 
 _ABORT_GRACE_S = 0.5
 """After the watchdog fires, how long the caller waits for the other ubatches to unwind."""
+
+EXIT_WAIT_S = 30.0
+"""At interpreter exit, how long to wait for ubatches that an aborted run left running
+(the watchdog or an interrupt gave up on them; they end at their next yield point or
+when `fn` returns). A daemon thread still inside a torch op when the interpreter
+finalizes is killed inside C++, and the process ends in SIGABRT instead of with its own
+status. The same bound as `comm`'s wait for abandoned collectives."""
+
+_left_running: list[Baton] = []
+"""Batons of aborted runs whose ubatches had not all ended (waited for at exit)."""
+_left_running_lock = threading.Lock()
+_exit_wait_registered = False
+
+
+def _remember_left_running(baton: Baton) -> None:
+    global _exit_wait_registered
+    with _left_running_lock:
+        _left_running[:] = [kept for kept in _left_running if not kept.wait_done(0)]
+        _left_running.append(baton)
+        if not _exit_wait_registered:
+            atexit.register(_wait_for_left_running)
+            _exit_wait_registered = True
+
+
+def _wait_for_left_running(timeout_s: float | None = None) -> bool:
+    """Wait, at most `timeout_s` (default `EXIT_WAIT_S`) in all, until every ubatch
+    that an aborted run left running has ended; True if they all did."""
+    deadline = time.monotonic() + (EXIT_WAIT_S if timeout_s is None else timeout_s)
+    with _left_running_lock:
+        batons = list(_left_running)
+    done = all(baton.wait_done(max(0.0, deadline - time.monotonic())) for baton in batons)
+    with _left_running_lock:
+        _left_running[:] = [kept for kept in _left_running if not kept.wait_done(0)]
+    return done
+
 
 _fork_generation = 0
 """Bumped in the child after `os.fork()`: the worker threads of the runners created
@@ -31,8 +68,11 @@ before the fork exist only in the parent."""
 
 
 def _after_fork_in_child() -> None:
-    global _fork_generation
+    global _fork_generation, _left_running_lock
     _fork_generation += 1
+    # The parent's ubatch threads are not here: nothing to wait for at the child's exit.
+    _left_running_lock = threading.Lock()
+    _left_running.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -418,6 +458,7 @@ class UBatchRunner:
                     f"ubatch {run.baton.holder} was still running {_ABORT_GRACE_S} s after its "
                     "overlap was aborted"
                 )
+                _remember_left_running(run.baton)
                 # Best effort: the caller's stream waits for what the ubatches enqueued so
                 # far, so that it does not reuse the inputs under their kernels (what the
                 # stuck ubatch enqueues later is not covered).

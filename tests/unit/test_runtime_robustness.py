@@ -689,3 +689,39 @@ def test_an_error_whose_notes_are_not_a_list_still_reaches_the_caller(notes: obj
         dbo.overlap(fn, timeout_s=30)(torch.ones(4))
     assert caught.value.ubatch_id == 1  # type: ignore[attr-defined]
     assert any("raised in ubatch 1 of 2" in note for note in caught.value.__notes__)
+
+
+_EXIT_AFTER_WATCHDOG = """
+import sys, time
+import torch
+import dbo
+
+torch.set_num_threads(1)
+a = torch.randn(300, 300)
+
+def slow(x):
+    end = time.time() + 2.0
+    while time.time() < end:  # torch ops release the GIL: the thread is inside one at exit
+        torch.mm(a, a)
+    return x
+
+try:
+    dbo.overlap(slow, timeout_s=0.3)(torch.zeros(4, 2))
+except dbo.OverlapTimeoutError:
+    print("watchdog fired", flush=True)
+sys.exit(0)
+"""
+
+
+def test_exiting_after_the_watchdog_waits_for_the_ubatch_it_gave_up_on() -> None:
+    """The abandoned ubatch runs on in a daemon thread; interpreter exit while it is in a
+    torch op killed it inside C++ ("terminate called without an active exception",
+    SIGABRT). Exit now waits (bounded) for it to end."""
+    import subprocess
+
+    completed = subprocess.run(
+        [sys.executable, "-c", _EXIT_AFTER_WATCHDOG],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert "watchdog fired" in completed.stdout, completed.stdout + completed.stderr
+    assert completed.returncode == 0, completed.stderr
