@@ -127,7 +127,10 @@ def init_distributed(
             (and the backend is not gloo), else CPU. A CUDA device becomes the current
             device (`torch.cuda.set_device`).
         timeout_s: how long a collective waits for its peers before raising; this is what
-            turns a peer that died or diverged into an error instead of a hang.
+            turns a peer that died or diverged into an error instead of a hang. In a
+            world initialized elsewhere and adopted here, it applies to the per-ubatch
+            groups created here only: the default group keeps the timeout it was
+            created with (collectives outside an overlap, `comm.moe`'s backward).
         allow_single_process: without the torchrun environment, initialize a world of one
             process (rank 0, an in-process store: no port, no network) instead of raising.
         num_ubatch_groups: per-ubatch duplicates of the default group to create (a
