@@ -15,6 +15,8 @@ What it shows, on CPU:
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 import dbo
@@ -113,4 +115,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # No options; --help prints what the tour shows instead of running it.
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     main()
