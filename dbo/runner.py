@@ -50,16 +50,14 @@ def _remember_left_running(baton: Baton) -> None:
             _exit_wait_registered = True
 
 
-def _wait_for_left_running(timeout_s: float | None = None) -> bool:
-    """Wait, at most `timeout_s` (default `EXIT_WAIT_S`) in all, until every ubatch
-    that an aborted run left running has ended; True if they all did."""
-    deadline = time.monotonic() + (EXIT_WAIT_S if timeout_s is None else timeout_s)
+def _wait_for_left_running() -> None:
+    """At exit: wait, at most `EXIT_WAIT_S` in all, until every ubatch that an aborted
+    run left running has ended."""
+    deadline = time.monotonic() + EXIT_WAIT_S
     with _left_running_lock:
         batons = list(_left_running)
-    done = all(baton.wait_done(max(0.0, deadline - time.monotonic())) for baton in batons)
-    with _left_running_lock:
-        _left_running[:] = [kept for kept in _left_running if not kept.wait_done(0)]
-    return done
+    for baton in batons:
+        baton.wait_done(max(0.0, deadline - time.monotonic()))
 
 
 _fork_generation = 0
