@@ -47,13 +47,15 @@ def add_note(error: BaseException, note: str) -> None:
     something other than a list (a tuple), which `add_note` refuses, become a list of
     the notes they held (when they are a tuple or list of strings) plus this one."""
     notes = getattr(error, "__notes__", None)
-    if isinstance(notes, list) or notes is None:
-        if notes is not None and note in notes:
+    if isinstance(notes, list):
+        if note in notes:
             return
         if hasattr(error, "add_note"):
             with contextlib.suppress(Exception):
                 error.add_note(note)
                 return
+    # No notes yet, notes that `add_note` refuses, or Python 3.10 (no `add_note`): set
+    # the list, keeping the notes that were strings.
     kept = []
     if isinstance(notes, (tuple, list)):
         kept = [item for item in notes if isinstance(item, str)]
