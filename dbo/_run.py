@@ -39,15 +39,17 @@ class OverlapRun:
         num_ubatches: int,
         backend: DeviceBackend,
         streams: list[UBatchStreams],
-        owner: object,
+        owner: object | None,
         wakeups: Sequence[Any] | None = None,
         parent: OverlapRun | None = None,
     ) -> None:
         self.num_ubatches = num_ubatches
         self.backend = backend
         self.streams = streams
-        self.owner = owner
-        """The runner that started this run (to refuse a run of the same runner inside it)."""
+        self._owner = weakref.ref(owner) if owner is not None else None
+        """The runner that started this run, weakly: a runner keeps the run a watchdog
+        gave up on (until its ubatch returns), and a cycle would keep a dropped runner's
+        threads parked until the garbage collector ran."""
         self.parent = weakref.ref(parent) if parent is not None else None
         """The run whose ubatch thread started this one (a bare runner's ubatch running
         another runner), weakly (it holds its run state, order tokens and their graphs,
@@ -68,6 +70,12 @@ class OverlapRun:
         self.state: dict[str, Any] = {}
         """`dbo.run_state()`: free-form state that library code shares between the ubatch
         threads of this run (e.g. `comm.moe`'s backward order token); dropped with the run."""
+
+    @property
+    def owner(self) -> object | None:
+        """The runner that started this run (None once it is gone): a run of the same
+        runner asked for inside this one is refused."""
+        return self._owner() if self._owner is not None else None
 
     # ------------------------------------------------------------------ thread lifetime
     def enter(self, ubatch_id: int) -> None:

@@ -57,8 +57,11 @@ class Baton:
         self.holder: int | None = None
         """The ubatch holding the baton (None before start and after the last finish)."""
         self.holder_since = time.perf_counter()
-        """When `holder` got the baton (perf_counter seconds): the watchdog's clock."""
-        self.num_handoffs = 0
+        """When `holder` got the baton, or last yielded alone (perf_counter seconds): the
+        watchdog's clock."""
+        self.num_turns = 0
+        """Turns started: handoffs, and yields of a ubatch left alone (the watchdog's
+        sign that the holder moved on even if `holder` reads the same)."""
         self._turn_start: list[float | None] = [None] * num_ubatches
         """When each ubatch's thread last woke holding the baton (None: it never did, a
         job revoked before it started): a traced turn starts there, not at the handoff,
@@ -121,7 +124,8 @@ class Baton:
     def yield_(self, ubatch_id: int) -> None:
         """Hand the baton to the next live ubatch and park until it comes back.
 
-        Returns at once if `ubatch_id` is the only live ubatch.
+        Returns at once if `ubatch_id` is the only live ubatch (restarting the
+        watchdog's clock: `holder_since`).
         """
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
@@ -138,6 +142,10 @@ class Baton:
             if not self._live[successor]:
                 successor = self._next_live(ubatch_id)
             if successor == ubatch_id:
+                # Left alone: nobody to hand the baton to, but a yield point is still
+                # progress, and the watchdog bounds the time between two of them.
+                self.holder_since = time.perf_counter()
+                self.num_turns += 1
                 return
             now = time.perf_counter()
             recording = tracing._active
@@ -145,7 +153,7 @@ class Baton:
                 recording.add("baton", ubatch_id, self._turn_start[ubatch_id] or 0.0, now)
             self.holder = successor
             self.holder_since = now
-            self.num_handoffs += 1
+            self.num_turns += 1
         # Wake the successor and park at once. Never wake under the mutex: on one core
         # the woken thread runs at once and would block on the mutex straight away.
         self._wake[successor].set()
@@ -212,7 +220,7 @@ class Baton:
         """Make `ubatch_id` the holder (call with the mutex held; wake it after)."""
         self.holder = ubatch_id
         self.holder_since = time.perf_counter()
-        self.num_handoffs += 1
+        self.num_turns += 1
 
     def _wake_up(self, ubatch_ids: list[int]) -> None:
         for ubatch_id in ubatch_ids:

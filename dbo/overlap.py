@@ -215,8 +215,9 @@ def overlap(
             batches). In a distributed job every rank must take the same decision, or
             their collectives mismatch and the job hangs: pass `decision_group`, or give
             every rank the same batch size.
-        timeout_s: watchdog; a ubatch holding the baton longer raises
-            `OverlapTimeoutError` naming it and showing its stack. None: no watchdog.
+        timeout_s: watchdog; a ubatch running longer than this between two yield
+            points (holding the baton) raises `OverlapTimeoutError` naming it and
+            showing its stack. None: no watchdog.
         device: where the ubatch streams live; None: the device of the first CUDA tensor
             in the inputs (CPU when there is none).
         decision_group: a `torch.distributed` process group (or

@@ -330,8 +330,9 @@ class UBatchRunner:
 
         Errors: if a ubatch raises, the others raise `UBatchAbortedError` at their next
         yield point (so their `finally` blocks run), and `run` re-raises the original
-        exception with a note naming the ubatch. With `timeout_s`, a ubatch that holds the
-        baton longer raises `OverlapTimeoutError` here, with that ubatch's stack.
+        exception with a note naming the ubatch. With `timeout_s`, a ubatch that runs
+        longer between two yield points raises `OverlapTimeoutError` here, with that
+        ubatch's stack.
         """
         timeout_s = check_timeout(timeout_s)
         inputs = list(ubatch_inputs)
@@ -506,13 +507,13 @@ class UBatchRunner:
             baton.wait_done()
             return
         while True:
-            handoffs, holder, since = baton.num_handoffs, baton.holder, baton.holder_since
+            turns, holder, since = baton.num_turns, baton.holder, baton.holder_since
             remaining = since + timeout_s - time.perf_counter()
             if remaining > 0:
                 if baton.wait_done(remaining):
                     return
                 continue
-            if baton.num_handoffs != handoffs or baton.wait_done(0):
+            if baton.num_turns != turns or baton.wait_done(0):
                 continue  # the baton moved (or the run ended) while we looked
             raise OverlapTimeoutError(
                 f"ubatch {holder} of {self.num_ubatches} held the baton for "
@@ -593,7 +594,10 @@ class _UBatchJob:
         except BaseException as error:  # noqa: B036 - every failure must reach the caller
             self.failed = True
             self.errors[ubatch_id] = error
-            if not isinstance(error, UBatchAbortedError):
+            # An abort error is the consequence of another failure only if the run was
+            # aborted; raised by `fn` in a live run (re-raised from another runner's
+            # run, say) it is this ubatch's own failure, and the others must unwind.
+            if not (isinstance(error, UBatchAbortedError) and run.baton.aborted):
                 # Normally this thread holds the baton; after a forced wake-up (watchdog)
                 # several may race here, and any of their failures is a fine report.
                 if run.first_failure is None:

@@ -725,3 +725,89 @@ def test_exiting_after_the_watchdog_waits_for_the_ubatch_it_gave_up_on() -> None
     )
     assert "watchdog fired" in completed.stdout, completed.stdout + completed.stderr
     assert completed.returncode == 0, completed.stderr
+
+
+# ------------------------------------------------- 5. runtime edge cases (tenth session)
+@pytest.mark.timeout(30)
+def test_a_ubatch_raising_an_abort_error_of_its_own_aborts_the_others() -> None:
+    """`UBatchAbortedError` raised by `fn` while the run was not aborted (re-raised from
+    a run of another runner, say) is this ubatch's failure: the others must unwind at
+    their next yield point, not run on as if nothing happened."""
+    reached_after_yield: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            raise dbo.UBatchAbortedError("an inner run was aborted")
+        dbo.yield_()
+        reached_after_yield.append(dbo.current_ubatch_id())
+        return x
+
+    with UBatchRunner(2) as runner:
+        with pytest.raises(dbo.UBatchAbortedError, match="an inner run was aborted") as caught:
+            runner.run(fn, [((torch.zeros(2),), {}), ((torch.zeros(2),), {})], timeout_s=10)
+        assert caught.value.ubatch_id == 0  # type: ignore[attr-defined]
+        assert reached_after_yield == []
+        assert runner.run(lambda x: x + 1, [((torch.zeros(1),), {})] * 2, timeout_s=10)[0] == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("num_ubatches", [1, 2])
+def test_the_watchdog_clock_restarts_at_every_yield_of_a_ubatch_left_alone(
+    num_ubatches: int,
+) -> None:
+    """`timeout_s` bounds how long a ubatch runs between yield points. A ubatch left
+    alone (the others returned, or a run of one) passes the baton to nobody at its
+    yields, and its whole tail counted as one turn: a long but live loop timed out."""
+    turns, turn_s, timeout_s = 6, 0.1, 0.4  # each turn well under, all of them well over
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == num_ubatches - 1:
+            for _ in range(turns):
+                time.sleep(turn_s)
+                dbo.yield_()
+        return x
+
+    with UBatchRunner(num_ubatches) as runner:
+        inputs = [((torch.zeros(2),), {})] * num_ubatches
+        outputs = runner.run(fn, inputs, timeout_s=timeout_s)
+    assert len(outputs) == num_ubatches
+
+
+@pytest.mark.timeout(30)
+def test_a_broken_runner_dropped_without_the_garbage_collector_stops_its_threads() -> None:
+    """The run a watchdog gave up on referred back to its runner (`owner`), a cycle:
+    a broken runner dropped by its last user kept its threads and wake-ups until the
+    garbage collector happened to run."""
+    gate = threading.Event()
+
+    def stuck_in_one(x: torch.Tensor) -> torch.Tensor:
+        dbo.yield_()
+        if dbo.current_ubatch_id() == 1:
+            gate.wait(timeout=10)
+        return x
+
+    gc.disable()
+    try:
+        runner = UBatchRunner(2)
+        workers = list(runner.threads)
+        try:
+            runner.run(stuck_in_one, [((torch.zeros(2),), {})] * 2, timeout_s=0.3)
+        except dbo.OverlapTimeoutError:
+            pass
+        else:
+            pytest.fail("the watchdog did not fire")
+        assert runner.broken
+        gate.set()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and workers[1].is_alive() and runner.broken:
+            if runner._aborted_run is not None and runner._aborted_run.baton.wait_done(0.05):
+                break
+        del runner
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(t.is_alive() for t in workers):
+            time.sleep(0.05)
+        alive = [t.name for t in workers if t.is_alive()]
+        assert alive == [], f"a dropped broken runner kept its threads: {alive}"
+    finally:
+        gate.set()
+        gc.enable()
