@@ -139,7 +139,10 @@ def init_distributed(
 
     Idempotent: once torch.distributed is initialized, later calls only return the same
     triple (a world initialized elsewhere is adopted; its duplicate groups are created by
-    the first call here, which must then be made on every rank).
+    the first call here, which must then be made on every rank). A later call naming
+    another backend or device raises ValueError; its `timeout_s` and
+    `num_ubatch_groups` are not applied (`comm.destroy_distributed()` first to change
+    them).
 
     Raises `TorchrunEnvironmentError` (a RuntimeError) showing the torchrun command when
     the environment is missing or partial, ValueError for contradictory arguments or
@@ -173,6 +176,8 @@ def init_distributed(
         # between): its device and duplicate groups are this world's to decide.
         _state.device = None
         _state.ubatch_groups_done = False
+    if dist.is_initialized() and _state.device is not None:
+        _refuse_contradiction(backend, device, _state.device)
     if not dist.is_initialized():
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
@@ -195,6 +200,30 @@ def init_distributed(
     _state.world = weakref.ref(world_group) if world_group is not None else None
     assert _state.device is not None, "set by the first initialization"
     return rank, world_size, _state.device
+
+
+def _refuse_contradiction(
+    backend: str | None, device: torch.device | str | int | None, current: torch.device
+) -> None:
+    """ValueError if a later call asks for another backend or device than the world has:
+    returning the existing world would run it on what it did not ask for."""
+    how = "call comm.destroy_distributed() on every rank first to start another"
+    if backend is not None:
+        initialized = str(dist.get_backend()).lower()  # "gloo", or "cpu:gloo,cuda:nccl"
+        names = {part.rpartition(":")[2] for part in initialized.split(",")}
+        if backend.lower() not in names | {initialized}:
+            raise ValueError(
+                f"comm.init_distributed(backend={backend!r}): torch.distributed is already "
+                f"initialized with backend {initialized!r}; {how}"
+            )
+    if device is not None:
+        local_rank = current.index if current.type == "cuda" and current.index is not None else 0
+        wanted = _resolve_device(device, backend, local_rank)
+        if wanted != current:
+            raise ValueError(
+                f"comm.init_distributed(device={device!r}): torch.distributed is already "
+                f"initialized for device {current}; {how}"
+            )
 
 
 def _init_process_group(

@@ -58,6 +58,28 @@ def test_single_process_world_and_idempotence(no_torchrun_env: None) -> None:
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"backend": "nccl"}, "already initialized with backend 'gloo'"),
+        ({"backend": "mpi"}, "already initialized with backend 'gloo'"),
+        ({"device": "meta"}, "already initialized for device cpu"),
+    ],
+)
+def test_a_later_call_that_contradicts_the_world_is_refused(
+    no_torchrun_env: None, kwargs: dict, text: str
+) -> None:
+    """Idempotence returns the existing world; a later call asking for another backend
+    or device would get it silently and run on what it did not ask for."""
+    expected = comm.init_distributed(allow_single_process=True)
+    with pytest.raises(ValueError, match=text) as raised:
+        comm.init_distributed(allow_single_process=True, **kwargs)
+    assert "comm.destroy_distributed()" in str(raised.value)
+    # What agrees with the world (any spelling of it) is still just the same answer.
+    assert comm.init_distributed(backend="GLOO", device="cpu") == expected
+    assert comm.init_distributed(device=torch.device("cpu")) == expected
+
+
+@pytest.mark.parametrize(
     ("kwargs", "error", "text"),
     [
         ({"timeout_s": 0}, ValueError, "timeout_s must be a number of seconds in"),
