@@ -16,10 +16,10 @@ from typing import Any, TypeVar, overload
 import torch
 
 from dbo import _affinity, tracing
+from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.runner import (
     UBatchRunner,
-    check_num_ubatches,
     check_timeout,
     describe_ubatch_input,
     is_ubatch_input,
@@ -385,7 +385,7 @@ def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
     """The largest dim 0 among the tensor leaves: the batch size a custom split works
     on. Inputs may be ragged (per-request metadata next to the tokens), so dim-0 sizes
     need not agree, and the tokens are the largest."""
-    return max((int(leaf.shape[0]) for _, leaf in leaves), default=None)
+    return max((int(leaf.size(0)) for _, leaf in leaves), default=None)
 
 
 def _under_functorch_transform() -> bool:

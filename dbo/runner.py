@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dbo import _affinity, _thread_settings
+from dbo._checks import check_num_ubatches
 from dbo._context import UBatchContext, current_context, registered
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._wakeup import Wakeup
@@ -75,15 +76,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def check_num_ubatches(num_ubatches: Any) -> int:
-    """Validate a ubatch count: an int >= 1 (TypeError / ValueError otherwise)."""
-    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
-        raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
-    if num_ubatches < 1:
-        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
-    return num_ubatches
 
 
 def is_ubatch_input(item: Any) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dbo._checks import check_num_ubatches
 from dbo._pytree import TreeSpec, children, flatten, rebuild, unflatten
 
 UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -51,9 +52,10 @@ def batch_size_of(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
     """`batch_size` of already collected `(path, tensor)` leaves."""
     if not leaves:
         return None
-    sizes = {x.shape[0] for _, x in leaves}
+    # size(0), not shape[0]: a strided nested tensor has no `shape` but has a size(0).
+    sizes = {x.size(0) for _, x in leaves}
     if len(sizes) > 1:
-        described = ", ".join(f"{path}: {x.shape[0]}" for path, x in leaves)
+        described = ", ".join(f"{path}: {x.size(0)}" for path, x in leaves)
         raise ValueError(
             "dbo.overlap splits every tensor argument along dim 0, but their dim-0 sizes "
             f"differ ({described}); pass split= for ragged inputs, or pass the tensors "
@@ -74,6 +76,7 @@ def default_split(
     every ubatch as the same object, so what `fn` writes into it reaches the caller; a
     container that holds split tensors is rebuilt per ubatch.
     """
+    num_ubatches = check_num_ubatches(num_ubatches)
     batch_size(args, kwargs)  # validates that dim-0 sizes agree
     return split_parts(args, kwargs, num_ubatches)
 
@@ -82,6 +85,25 @@ def split_parts(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
 ) -> UBatchInputs:
     """`default_split` for arguments whose dim-0 sizes are already known to agree."""
+    try:
+        return _split_parts(args, kwargs, num_ubatches)
+    except (RuntimeError, NotImplementedError) as error:
+        # torch.tensor_split refuses sparse and nested tensors with errors that name
+        # neither the argument nor the way out. (Checked here, not on every call.)
+        for path, leaf in splittable_leaves(args, kwargs):
+            if leaf.is_nested or leaf.layout != torch.strided:
+                kind = "a nested" if leaf.is_nested else f"a {leaf.layout}"
+                raise ValueError(
+                    f"the default split cuts every tensor along dim 0 with "
+                    f"torch.tensor_split, which {path} ({kind} tensor) does not support; "
+                    "pass split= (and merge=) to divide it yourself"
+                ) from error
+        raise
+
+
+def _split_parts(
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
+) -> UBatchInputs:
     if not kwargs and all(type(arg) is torch.Tensor and arg.ndim >= 1 for arg in args):
         # The usual call (tensors only), without the tree walk.
         columns = [torch.tensor_split(arg, num_ubatches, dim=0) for arg in args]
@@ -122,6 +144,8 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     not hold raise ValueError naming the leaf: pass `merge=` to combine them your way.
     The concatenation copies every output once; `merge_parts` avoids the copy.
     """
+    if len(outputs) == 0:
+        raise ValueError("default_merge got no ubatch outputs to merge (an empty sequence)")
     first = outputs[0]
     if (
         isinstance(first, torch.Tensor)
@@ -287,26 +311,22 @@ def balanced_token_split(
     A ubatch is empty (zero tokens) only when there are fewer tokens (straddling) or fewer
     requests with tokens (request boundaries) than ubatches.
     """
-    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
-        raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
-    if num_ubatches < 1:
-        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    num_ubatches = check_num_ubatches(num_ubatches)
     if isinstance(num_tokens_per_request, torch.Tensor):
         if num_tokens_per_request.ndim != 1:
             raise ValueError(
                 "num_tokens_per_request must be 1-D, got shape "
                 f"{tuple(num_tokens_per_request.shape)}"
             )
-        if num_tokens_per_request.dtype.is_floating_point or num_tokens_per_request.dtype in (
-            torch.bool, torch.complex64, torch.complex128
-        ):
+        dtype = num_tokens_per_request.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise TypeError(
                 "num_tokens_per_request must hold integer counts, got a tensor of "
                 f"{num_tokens_per_request.dtype}; convert it with .long() if that is meant"
             )
         counts = [int(c) for c in num_tokens_per_request.tolist()]
     else:
-        counts = [operator.index(c) for c in num_tokens_per_request]
+        counts = [_token_count(c) for c in num_tokens_per_request]
     if any(c < 0 for c in counts):
         raise ValueError(f"token counts must be >= 0, got {counts}")
     starts = [0]
@@ -324,6 +344,19 @@ def balanced_token_split(
         TokenSplit(slice(lo, hi), _requests_touching(starts, lo, hi))
         for lo, hi in zip(bounds[:-1], bounds[1:])
     ]
+
+
+def _token_count(count: Any) -> int:
+    """One entry of a list of token counts, as an int (TypeError naming the argument)."""
+    if not isinstance(count, bool):  # operator.index takes a bool as 0 or 1
+        try:
+            return operator.index(count)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"num_tokens_per_request must hold integer counts, got {count!r} of type "
+        f"{type(count).__name__}"
+    )
 
 
 def _requests_touching(starts: list[int], lo: int, hi: int) -> slice:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import dbo
+from dbo._checks import check_num_ubatches
 from dbo._context import current_registration, registration_of_thread
 
 _get_ident = threading.get_ident
@@ -39,7 +40,8 @@ _MAX_CALL_SITES = 64
 """Call sites remembered for `stats()`; beyond this the smallest are forgotten (generated
 code, e.g. from torch.compile, can create a new site per recompilation)."""
 
-_MAX_BUFFER_BYTES = 2**63 - 1 - (ALIGNMENT_BYTES - 1)
+_INT64_MAX = 2**63 - 1
+_MAX_BUFFER_BYTES = _INT64_MAX - (ALIGNMENT_BYTES - 1)
 """The largest slot torch can address (sizes are int64), spare alignment bytes included."""
 
 _QUANTIZED_DTYPES = frozenset(
@@ -165,7 +167,7 @@ def _normalize_request(index: int, request: Any) -> tuple[tuple[int, ...], torch
         )
     dims = []
     for dim in shape:
-        if isinstance(dim, bool):
+        if isinstance(dim, bool) or (isinstance(dim, torch.Tensor) and dim.dtype == torch.bool):
             raise TypeError(f"workspace request {index}: dimension {dim!r} is a bool, not an int")
         try:
             dims.append(operator.index(dim))
@@ -177,6 +179,11 @@ def _normalize_request(index: int, request: Any) -> tuple[tuple[int, ...], torch
     if any(dim < 0 for dim in dims):
         raise ValueError(
             f"workspace request {index}: shape {tuple(dims)} has a negative dimension"
+        )
+    if any(dim > _INT64_MAX for dim in dims):
+        raise ValueError(
+            f"workspace request {index}: shape {tuple(dims)} has a dimension beyond int64, "
+            "which no torch tensor can have"
         )
     return tuple(dims), dtype
 
@@ -215,6 +222,13 @@ def _normalized_device(device: torch.device | str | int) -> torch.device:
         if device.index is None:
             return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _format_bytes(num_bytes: int) -> str:
+    """`num_bytes` for a message: exact below 1 MiB (a small request read "0.00 MB")."""
+    if num_bytes < 1 << 20:
+        return f"{num_bytes} B"
+    return f"{num_bytes / _MB:.2f} MB ({num_bytes} B)"
 
 
 def _keep_until_stream_done(buffer: torch.Tensor) -> None:
@@ -381,10 +395,7 @@ class WorkspaceManager:
     def __init__(self, device: torch.device | str | int, num_ubatches: int | None = None) -> None:
         if num_ubatches is None:
             num_ubatches = 1
-        if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
-            raise TypeError(f"num_ubatches must be an int, got {num_ubatches!r}")
-        if num_ubatches < 1:
-            raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+        num_ubatches = check_num_ubatches(num_ubatches)
         self._device = _normalized_device(device)
         self._slots = tuple(_Slot() for _ in range(num_ubatches))
         self._capacity_bytes = 0
@@ -427,6 +438,14 @@ class WorkspaceManager:
               reuses the same bytes: take all the tensors a step needs in one call.
             - The same request again returns views at the same addresses; once the
               capacity suffices, no memory is allocated.
+            - Unlike `torch.empty`'s tensors, they share the slot's autograd version
+              counter: a view saved for backward reads "modified by an inplace
+              operation" after any in-place write to the slot, even to a disjoint view
+              (which is how a later call overwriting its bytes is caught). Clone a view
+              that backward needs.
+            - As `out=` of an op whose result has another shape, torch resizes a view in
+              place: it then writes over its neighbours, or, past the slot's end, moves
+              the whole slot to new memory (even when locked). Give `out=` the exact shape.
 
         The slot is `dbo.current_ubatch_id()`: outside an overlap, slot 0.
         No arguments return `[]`; a zero-size shape returns a valid empty view.
@@ -595,8 +614,8 @@ class WorkspaceManager:
         if self._locked:
             raise WorkspaceLockedError(
                 f"workspace is locked, but the request from '{caller}' needs "
-                f"{required_bytes / _MB:.2f} MB per slot and the locked capacity is "
-                f"{self._capacity_bytes / _MB:.2f} MB; warm up with the largest batch before "
+                f"{_format_bytes(required_bytes)} per slot and the locked capacity is "
+                f"{_format_bytes(self._capacity_bytes)}; warm up with the largest batch before "
                 "lock_workspace(), or call unlock_workspace() to let it grow"
             )
         old_capacity = self._capacity_bytes

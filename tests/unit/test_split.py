@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+import warnings
 from typing import Any
 
 import pytest
@@ -101,6 +102,67 @@ def test_token_split_accepts_tensors_and_rejects_bad_input() -> None:
         dbo.balanced_token_split(torch.tensor([2.7, 1.9]), 2)  # not truncated to [2, 1]
     with pytest.raises(TypeError, match="integer counts"):
         dbo.balanced_token_split(torch.tensor([True, False]), 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # complex32 is experimental in torch
+        complex_counts = torch.tensor([1, 2], dtype=torch.complex32)
+    with pytest.raises(TypeError, match="integer counts"):
+        dbo.balanced_token_split(complex_counts, 2)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        [True, False, True],  # a bool tensor is refused: so is a list of bools
+        [2.0, 3.0],
+        [[1, 2], [3, 4]],
+        ["3"],
+    ],
+)
+def test_token_split_refuses_counts_that_are_not_ints_naming_the_argument(counts: Any) -> None:
+    with pytest.raises(TypeError, match="num_tokens_per_request"):
+        dbo.balanced_token_split(counts, 2)
+
+
+@pytest.mark.parametrize(("num_ubatches", "error"), [(0, ValueError), (-1, ValueError),
+                                                     (True, TypeError), (2.5, TypeError)])
+def test_default_split_checks_its_ubatch_count(num_ubatches: Any, error: type) -> None:
+    for args in ((torch.arange(6.0),), (3,)):  # with a tensor to split, and without
+        with pytest.raises(error, match="num_ubatches"):
+            dbo.default_split(args, {}, num_ubatches)
+
+
+def test_default_merge_of_no_outputs_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="no ubatch outputs"):
+        dbo.default_merge([])
+
+
+@pytest.mark.parametrize("kind", ["nested-strided", "nested-jagged", "sparse"])
+def test_a_tensor_the_default_split_cannot_cut_is_named_with_a_hint(kind: str) -> None:
+    parts = [torch.ones(2), torch.ones(3), torch.ones(1), torch.ones(4)]
+    if kind == "sparse":
+        tensor = torch.eye(4).to_sparse()
+    else:
+        layout = torch.strided if kind == "nested-strided" else torch.jagged
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nested tensors are a prototype feature
+            tensor = torch.nested.nested_tensor(parts, layout=layout)
+    with pytest.raises(ValueError, match=r"args\[0\].*split="):
+        dbo.overlap(lambda t: t, merge=list, timeout_s=30)(tensor)
+
+
+def test_a_nested_tensor_reaches_a_custom_split() -> None:
+    """The batch size of a nested tensor is its number of components (size(0)); its
+    `shape` raises for a strided nested tensor, and that failed before `split=` ran."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tensor = torch.nested.nested_tensor([torch.ones(2), torch.ones(3), torch.ones(1)])
+
+    def split(args: tuple, kwargs: dict, num_ubatches: int) -> list:
+        components = args[0].unbind()
+        return [((list(components[i::num_ubatches]),), {}) for i in range(num_ubatches)]
+
+    sizes = dbo.overlap(lambda parts: len(parts), split=split, merge=list, timeout_s=30)(tensor)
+    assert sizes == [2, 1]
 
 
 def test_default_split_matches_tensor_split_and_shares_memory() -> None:

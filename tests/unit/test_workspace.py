@@ -546,6 +546,11 @@ BAD_REQUESTS = [
     pytest.param((({4: None, 8: None}, torch.float32),), TypeError, "shape", id="dict-shape"),
     pytest.param((((3,), torch.qint8),), TypeError, "quantized", id="quantized-dtype"),
     pytest.param((((0,), torch.quint8),), TypeError, "quantized", id="quantized-empty"),
+    pytest.param(
+        (((torch.tensor(True), 2), torch.float32),), TypeError, "bool", id="bool-tensor-dim"
+    ),
+    pytest.param((((2**64,), torch.float32),), ValueError, "int64", id="dim-beyond-int64"),
+    pytest.param((((2**63, 0), torch.float32),), ValueError, "int64", id="empty-beyond-int64"),
 ]
 
 
@@ -574,7 +579,10 @@ def test_bad_request_on_a_fresh_manager_allocates_nothing() -> None:
 
 @pytest.mark.parametrize(
     ("num_ubatches", "error"),
-    [(0, ValueError), (-1, ValueError), ("2", TypeError), (True, TypeError), (2.0, TypeError)],
+    [
+        (0, ValueError), (-1, ValueError), ("2", TypeError), (True, TypeError),
+        (2.0, TypeError), (2**31, ValueError),  # a typo must not build 2**31 slots
+    ],
 )
 def test_bad_num_ubatches(fresh_workspace_global: None, num_ubatches: Any, error: type) -> None:
     with pytest.raises(error, match="num_ubatches"):
@@ -1364,3 +1372,42 @@ def test_too_few_slots_names_the_reset_that_a_new_manager_needs() -> None:
     manager = WorkspaceManager(torch.device("cpu"), num_ubatches=1)
     with pytest.raises(RuntimeError, match=r"reset_workspace_manager\(\), then init_workspace"):
         _in_ubatch(1, 2, lambda: manager.get_simultaneous(((8,), torch.uint8)))
+
+
+def test_a_request_beyond_int64_is_refused_as_malformed_even_when_locked() -> None:
+    """Not "warm up with the largest batch": no batch makes such a shape valid."""
+    manager = WorkspaceManager("cpu")
+    manager.get_simultaneous(((4,), torch.float32))
+    manager.lock()
+    with pytest.raises(ValueError, match="int64"):
+        manager.get_simultaneous(((2**64,), torch.float32))
+
+
+def test_the_locked_capacity_error_reads_small_sizes_in_bytes() -> None:
+    manager = WorkspaceManager("cpu")
+    manager.get_simultaneous(((4,), torch.float32))
+    manager.lock()
+    with pytest.raises(WorkspaceLockedError) as raised:
+        manager.get_simultaneous(((1000,), torch.float32))
+    message = str(raised.value)
+    needed = -(-4000 // ALIGNMENT_BYTES) * ALIGNMENT_BYTES  # whole aligned blocks
+    assert f"needs {needed} B per slot" in message, message
+    assert f"capacity is {manager.capacity_bytes} B;" in message, message
+
+
+def test_a_saved_view_overwritten_by_a_later_request_is_caught_by_autograd() -> None:
+    """Workspace memory is reused from call to call: a view that autograd saved for
+    backward and a later request's view are the same bytes. Every view of a slot shares
+    one version counter, so autograd reports the overwrite instead of computing a wrong
+    gradient (the price: a write to any view of the slot, even a disjoint one of the
+    same call, marks the saved one as modified; see the README)."""
+    manager = WorkspaceManager("cpu")
+    weight = torch.randn(4, requires_grad=True)
+    (first,) = manager.get_simultaneous(((4,), torch.float32))
+    first.copy_(torch.randn(4))
+    loss = (first * weight).sum()  # saves `first` for backward
+    (second,) = manager.get_simultaneous(((4,), torch.float32))
+    assert second.data_ptr() == first.data_ptr()  # the same scratch bytes
+    second.fill_(7.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -1,0 +1,22 @@
+"""Argument checks shared by the runner, the splitter and the workspace."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_NUM_UBATCHES = 1024
+"""The most ubatches accepted: each has a thread, two streams and a workspace slot, and
+overlap gains nothing past a handful; a count beyond this is a mistake (a typo such as
+2**31 would otherwise build that many slots or threads before failing)."""
+
+
+def check_num_ubatches(num_ubatches: Any) -> int:
+    """Validate a ubatch count: an int in [1, MAX_NUM_UBATCHES] (TypeError / ValueError
+    otherwise)."""
+    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
+        raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
+    if not 1 <= num_ubatches <= MAX_NUM_UBATCHES:
+        raise ValueError(
+            f"num_ubatches must be in [1, {MAX_NUM_UBATCHES}], got {num_ubatches}"
+        )
+    return num_ubatches
