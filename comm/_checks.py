@@ -140,19 +140,29 @@ def require_same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tens
         )
 
 
-def require_contiguous(name: str, tensor: torch.Tensor) -> None:
+def require_contiguous(name: str, tensor: torch.Tensor, any_memory_format: bool = False) -> None:
+    """Dense and without gaps: row-major, or with `any_memory_format` (an element-wise
+    collective) also channels_last (4-D, 5-D), which torch's process groups accept."""
     if tensor.layout is not torch.strided:  # sparse: "contiguous" does not apply
         raise TypeError(
             f"{name} is a {tensor.layout} tensor; comm's collectives take dense (strided) "
             f"tensors: pass {name}.to_dense(), or call torch.distributed directly (gloo "
             "all-reduces sparse COO tensors)"
         )
-    if not tensor.is_contiguous():
+    if not tensor.is_contiguous() and not (
+        any_memory_format and _channels_last_contiguous(tensor)
+    ):
         raise ValueError(
             f"{name} must be contiguous (shape {tuple(tensor.shape)}, stride "
             f"{tensor.stride()}); pass {name}.contiguous() (for an output, copy the result "
             "into your view afterwards)"
         )
+
+
+def _channels_last_contiguous(tensor: torch.Tensor) -> bool:
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    memory_format = formats.get(tensor.dim())
+    return memory_format is not None and tensor.is_contiguous(memory_format=memory_format)
 
 
 def backend_is_nccl(group: dist.ProcessGroup) -> bool:
@@ -168,9 +178,16 @@ def require_backend_device(group: dist.ProcessGroup, name: str, tensor: torch.Te
         )
 
 
-def require_reduce_op(op: Any) -> None:
+def require_reduce_op(op: Any, dtype: torch.dtype) -> None:
+    """A ReduceOp that can reduce `dtype`: an average of integers cannot be written back
+    (gloo writes the sum into the tensor and then fails to cast the average)."""
     if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         raise TypeError(f"op must be a torch.distributed.ReduceOp, got {op!r}")
+    if op == dist.ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(
+            f"ReduceOp.AVG needs a floating-point tensor, got {dtype}: its average cannot be "
+            "written back; reduce with SUM and divide, or convert the tensor first"
+        )
 
 
 def check_split_sizes(

@@ -501,7 +501,8 @@ def all_to_all_single(
     """Scatter rows of `input` to the ranks of `group`; gather theirs into `output`.
 
     Tensor contract: `input` [sum(input_split_sizes), *row] and `output`
-    [sum(output_split_sizes), *row], same dtype, device and row shape, contiguous.
+    [sum(output_split_sizes), *row], same dtype, device and row shape, contiguous, and
+    no byte in common (ValueError: received rows would overwrite rows not yet sent).
     Rows `input[offset_r : offset_r + input_split_sizes[r]]` go to rank r; `output` gets
     rank r's rows at `offset_r` of `output_split_sizes`, in rank order. Split sizes:
     one int >= 0 per rank (zero is fine); None means equal parts. `output` is written
@@ -514,10 +515,16 @@ def all_to_all_single(
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
     # Other subclasses' data_ptr may be 0, warn or dispatch; 0: no storage (meta),
-    # nothing to overwrite. ~0.6 us, on every call.
+    # nothing to overwrite. About 1 us, on every call. Both are contiguous (checked
+    # above): their bytes are [data_ptr, data_ptr + nbytes).
     if type(output) in _STORAGE_TYPES and type(input) in _STORAGE_TYPES:
-        pointer = output.data_ptr()
-        if pointer and pointer == input.data_ptr() and output.numel() and input.numel():
+        out_start, in_start = output.data_ptr(), input.data_ptr()
+        if (
+            out_start
+            and in_start
+            and out_start < in_start + input.nbytes
+            and in_start < out_start + output.nbytes
+        ):
             # Rows would be overwritten before they are sent (torch races the same way).
             raise ValueError(
                 "all_to_all_single: output and input share memory; the rows received "
@@ -567,8 +574,10 @@ def all_reduce(
 ) -> CollectiveWork | None:
     """Reduce `tensor` over the ranks of `group` with `op`, in place.
 
-    Tensor contract: any shape; every rank passes the same shape and dtype; `tensor`
-    holds the result when the call returns (or after `wait()`).
+    Tensor contract: any shape, contiguous (row-major, or channels_last as torch
+    accepts); every rank passes the same shape and dtype; `tensor` holds the result
+    when the call returns (or after `wait()`). `ReduceOp.AVG` needs a floating-point
+    (or complex) tensor: TypeError before the launch otherwise.
 
     Outside an overlap: `torch.distributed.all_reduce`. Inside: on the ubatch's comm
     stream and group, yielding while in flight (module docstring).
@@ -576,8 +585,8 @@ def all_reduce(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     tensor = require_tensor("tensor", tensor)
-    require_reduce_op(op)
-    require_contiguous("tensor", tensor)  # NCCL would only refuse it at launch
+    require_reduce_op(op, tensor.dtype)
+    require_contiguous("tensor", tensor, any_memory_format=True)  # NCCL refuses at launch
     if facts.is_nccl:
         require_backend_device(base, "tensor", tensor)
     return _run("all_reduce", _launch.all_reduce, (tensor, op), (tensor,), base, async_op)
@@ -642,7 +651,7 @@ def reduce_scatter_tensor(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
-    require_reduce_op(op)
+    require_reduce_op(op, input.dtype)
     _require_world_chunks(
         "reduce_scatter_tensor", "input", input, "output", output, base, facts.size
     )

@@ -272,3 +272,51 @@ def test_a_subgroup_destroyed_alone_has_its_duplicates_destroyed_too(world_of_on
     comm.ubatch_groups(None, 2)  # the registry notices the next time it creates groups
     assert not any(_still_registered(group) for group in duplicates)
     destroy_ubatch_groups()  # and does not destroy them a second time (an error)
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_single_refuses_an_output_that_partly_overlaps_its_input(
+    world_of_one: None,
+) -> None:
+    """Only a shared first byte was refused: windows of one buffer shifted by a row gave
+    silently wrong rows (received rows overwrote rows not yet sent)."""
+    buffer = torch.arange(5.0)
+    with pytest.raises(ValueError, match="share memory"):
+        comm.all_to_all_single(buffer[1:], buffer[:-1])
+    with pytest.raises(ValueError, match="share memory"):
+        comm.all_to_all_single(buffer[:-1], buffer[1:])
+    output = torch.empty(2)
+    comm.all_to_all_single(buffer[3:], buffer[:2])  # disjoint windows: allowed
+    comm.all_to_all_single(output, buffer[:2])
+    torch.testing.assert_close(buffer[3:], output, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_an_average_of_integers_is_refused_before_the_launch(
+    world_of_one: None, dtype: torch.dtype
+) -> None:
+    """gloo all-reduced the sum into the tensor, then failed to cast the average back:
+    the tensor was clobbered and the error did not name the op."""
+    tensor = torch.tensor([1, 10], dtype=dtype)
+    before = tensor.clone()
+    with pytest.raises(TypeError, match="AVG.*floating"):
+        comm.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    assert torch.equal(tensor, before)
+    with pytest.raises(TypeError, match="AVG.*floating"):
+        comm.reduce_scatter_tensor(torch.empty(2, dtype=dtype), tensor, op=dist.ReduceOp.AVG)
+    averaged = torch.tensor([1.0, 10.0])
+    comm.all_reduce(averaged, op=dist.ReduceOp.AVG)  # a floating tensor averages
+    torch.testing.assert_close(averaged, torch.tensor([1.0, 10.0]))
+
+
+@pytest.mark.timeout(60)
+def test_all_reduce_takes_a_channels_last_tensor_as_torch_does(world_of_one: None) -> None:
+    """Element-wise, a dense tensor in any memory format reduces as it is; refusing a
+    channels_last activation contradicted "outside an overlap: the plain op"."""
+    tensor = torch.arange(24.0).reshape(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    expected = tensor.clone()
+    comm.all_reduce(tensor)
+    torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        comm.all_reduce(torch.arange(8.0).reshape(2, 4)[:, ::2])  # gaps: still refused
