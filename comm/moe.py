@@ -43,6 +43,15 @@ backward before that of every exchange whose token it consumed:
     its counter already orders their backwards by creation.
 Tokens are built only while grad mode is on and something the exchange takes requires
 grad; the token requires grad exactly then. Inference builds none.
+
+When only the experts train (nothing before `combine` requires grad on any rank, so it
+has no token to take), whether `combine`'s exchange is differentiable depends on
+`expert_out`, which needs no grad on a rank whose experts got no rows (expert code that
+skips empty experts leaves it plain). `combine` then all-reduces one flag first (does
+any rank's `expert_out` require grad?) and, if so, makes its exchange differentiable
+on every rank: one extra small collective per `combine`, only in grad mode and only
+without a token (training with a trainable model below the layer has one; inference
+under `torch.no_grad()` / `torch.inference_mode()` is not in grad mode).
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ import torch.distributed as dist
 
 import dbo
 from comm._checks import require_same_device, require_tensor, resolve_group
-from comm.collectives import CollectiveWork, all_to_all_single
+from comm.collectives import CollectiveWork, all_reduce, all_to_all_single
 
 __all__ = ["DispatchHandle", "combine", "dispatch"]
 
@@ -217,6 +226,9 @@ def combine(
         over k in order 0..K-1).
 
     Streams and overlap: as `dispatch` (one all-to-all, one yield inside an overlap).
+    In grad mode with nothing before it requiring grad (only the experts train), it
+    first all-reduces one flag so that every rank records a backward or none does
+    (module docstring): one more small collective and yield.
     Raises TypeError / ValueError before any communication for bad shapes or dtypes.
     """
     if not isinstance(handle, DispatchHandle):
@@ -246,8 +258,11 @@ def combine(
         )
 
     hidden = int(expert_out.shape[1])
+    anchor = handle.order_token
+    if anchor is None and torch.is_grad_enabled() and not _run_has_order_token():
+        anchor = _agree_on_grad(expert_out, handle.group)
     returned, _ = _exchange_rows(
-        expert_out, handle.send_splits, handle.recv_splits, handle.group, handle.order_token
+        expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor
     )
     # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
     per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
@@ -260,6 +275,28 @@ def combine(
 
 _ORDER_TOKEN_KEY = "comm.moe.order_token"
 """The `dbo.run_state()` key of the run's latest order token (module docstring)."""
+
+
+def _run_has_order_token() -> bool:
+    state = dbo.run_state()
+    return state is not None and state.get(_ORDER_TOKEN_KEY) is not None
+
+
+def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """For a `combine` in grad mode with no order token to take (nothing before it in
+    the layer requires grad, on any rank): whether its exchange is differentiable then
+    depends on `expert_out` alone, which can differ per rank (a rank whose experts got
+    no rows, with expert code that skips empty experts, has a plain `expert_out`). One
+    flag all-reduce (MAX) makes the ranks agree: if any rank's `expert_out` requires
+    grad, every rank's exchange records a backward. Returns an anchor that makes this
+    rank's exchange differentiable when its own `expert_out` would not, else None.
+    """
+    needs_grad = expert_out.requires_grad
+    flag = torch.tensor([int(needs_grad)], dtype=torch.int32, device=expert_out.device)
+    all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if needs_grad or not bool(flag.item()):
+        return None
+    return torch.zeros(0, dtype=torch.float32, device=expert_out.device, requires_grad=True)
 
 
 def _exchange_rows(

@@ -14,7 +14,11 @@ backward computes the gradient of the sum of the ranks' losses.
   mismatch, with different sizes: gloo aborted);
 - (c) without dbo, a rank whose `expert_out` does not require grad (no rows for its
   experts, or frozen experts): it used to issue no backward all-to-alls while its peer
-  did (a hang or an abort).
+  did (a hang or an abort);
+- (d) only the experts train (the layer's input needs no grad on any rank) and one
+  rank's experts get no rows: that rank's `combine` had no backward while its peer's
+  did (its loss did not even require grad; the peer waited, or paired the exchange
+  with a later collective and read garbage counts).
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "no_grad_expert_out": _SKEWED,
     # rank 1's experts are frozen: its expert_out never needs grad
     "frozen_experts": {**_SKEWED, "frozen": (2, 3)},
+    # (d) x needs no grad (a frozen model below the layer): only the experts train
+    "experts_only_train": {**_SKEWED, "x_grad": False},
 }
 
 
@@ -116,6 +122,7 @@ def _moe_forward(
             # skip_empty_experts: every row connected; otherwise zeros that do not
             # require grad until an expert with rows writes into them.
             out = recv * 1.0 if name == "skip_empty_experts" else torch.zeros_like(recv)
+            # (experts_only_train: recv needs no grad, so `out` is plain until written)
             for local in range(per_rank):
                 mask = local_ids == local
                 if bool(mask.any()):  # skip experts that got no rows
@@ -139,9 +146,11 @@ def _rank_gradients(name: str, mode: str) -> dict[str, Any]:
     all_weights = _expert_weights(spec["num_experts"], spec["hidden"])
     weights = [all_weights[rank * per_rank + e].clone().requires_grad_() for e in range(per_rank)]
     x, ids = spec["inputs"](rank)
-    x = x.clone().requires_grad_()
+    x_grad = spec.get("x_grad", True)
+    x = x.clone().requires_grad_(x_grad)
     gates = _combine_weights(x.shape[0], ids.shape[1], rank)
     forward = _moe_forward(name, rank, weights)
+    wrt = [x, *weights] if x_grad else weights
     half = x.shape[0] // 2
 
     def serial() -> torch.Tensor:
@@ -156,8 +165,19 @@ def _rank_gradients(name: str, mode: str) -> dict[str, Any]:
                 results["forward_equal"] = torch.equal(y, serial())
         else:
             y = serial()
-        grads = torch.autograd.grad(y.pow(2).sum(), [x, *weights], allow_unused=True)
-        grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, [x, *weights]))
+        if x_grad:
+            grads = torch.autograd.grad(y.pow(2).sum(), wrt, allow_unused=True)
+        else:
+            # backward(), not autograd.grad(inputs=weights): a rank's exchange whose
+            # rows had no rows' worth of grad leads to no weight of its own, and
+            # autograd.grad would prune it (a documented limit); backward runs it.
+            y.pow(2).sum().backward()
+            grads = tuple(weight.grad for weight in weights)
+            for weight in weights:
+                weight.grad = None
+        grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt))
+        if not x_grad:
+            grads = (torch.zeros_like(x), *grads)
         results[f"step{step}"] = {"x": grads[0], "weights": torch.stack(grads[1:])}
     return results
 
@@ -198,8 +218,9 @@ def _check_against_reference(name: str, mode: str) -> None:
         own = grad_weights[rank * per_rank : (rank + 1) * per_rank]
         for step in ("step0", "step1"):
             got = value[step]
-            assert torch.allclose(got["x"], grad_xs[rank], rtol=1e-9, atol=1e-12), (
-                f"rank {rank} {step}: grad x off by {(got['x'] - grad_xs[rank]).abs().max()}"
+            expected_x = grad_xs[rank] if SCENARIOS[name].get("x_grad", True) else 0 * got["x"]
+            assert torch.allclose(got["x"], expected_x, rtol=1e-9, atol=1e-12), (
+                f"rank {rank} {step}: grad x off by {(got['x'] - expected_x).abs().max()}"
             )
             assert torch.allclose(got["weights"], own, rtol=1e-9, atol=1e-12), (
                 f"rank {rank} {step}: expert grads off by {(got['weights'] - own).abs().max()}"
@@ -227,3 +248,13 @@ def test_backward_when_a_ranks_expert_out_does_not_require_grad(name: str) -> No
     and left zeros_like(recv); or its experts are frozen) still takes part in both
     backward all-to-alls, sending zeros where it has no gradient."""
     _check_against_reference(name, "serial")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["serial", "overlap"])
+def test_backward_when_only_the_experts_train_and_a_rank_gets_no_rows(mode: str) -> None:
+    """(d) x needs no grad on any rank: whether `combine` is differentiable depends on
+    `expert_out` alone, which needs none on the rank whose experts got no rows. The ranks
+    now agree (one flag all-reduce per such `combine`): every rank takes part in the
+    backward, and the experts' gradients include the tokens of the rank with no rows."""
+    _check_against_reference("experts_only_train", mode)
