@@ -178,15 +178,19 @@ def require_backend_device(group: dist.ProcessGroup, name: str, tensor: torch.Te
         )
 
 
-def require_reduce_op(op: Any, dtype: torch.dtype) -> None:
-    """A ReduceOp that can reduce `dtype`: an average of integers cannot be written back
-    (gloo writes the sum into the tensor and then fails to cast the average)."""
+def require_reduce_op(op: Any, dtype: torch.dtype, is_nccl: bool) -> None:
+    """A ReduceOp the backend can apply to `dtype`. An average of integers: NCCL computes
+    one (a sum divided in the integer type), gloo cannot write it back (it writes the
+    sum into the tensor, then fails to cast the average); of bools, neither."""
     if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         raise TypeError(f"op must be a torch.distributed.ReduceOp, got {op!r}")
-    if op == dist.ReduceOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+    integral = not (dtype.is_floating_point or dtype.is_complex)
+    if op == dist.ReduceOp.AVG and integral and (dtype == torch.bool or not is_nccl):
+        backend = "any backend" if dtype == torch.bool else "this (non-NCCL) backend"
         raise TypeError(
-            f"ReduceOp.AVG needs a floating-point tensor, got {dtype}: its average cannot be "
-            "written back; reduce with SUM and divide, or convert the tensor first"
+            f"ReduceOp.AVG of a {dtype} tensor is not supported on {backend}: its "
+            "average cannot be written back; reduce with SUM and divide, or use a "
+            "floating-point tensor"
         )
 
 

@@ -576,8 +576,8 @@ def all_reduce(
 
     Tensor contract: any shape, contiguous (row-major, or channels_last as torch
     accepts); every rank passes the same shape and dtype; `tensor` holds the result
-    when the call returns (or after `wait()`). `ReduceOp.AVG` needs a floating-point
-    (or complex) tensor: TypeError before the launch otherwise.
+    when the call returns (or after `wait()`). `ReduceOp.AVG` of an integer tensor is
+    refused (TypeError, before the launch) except on NCCL, which averages integers.
 
     Outside an overlap: `torch.distributed.all_reduce`. Inside: on the ubatch's comm
     stream and group, yielding while in flight (module docstring).
@@ -585,7 +585,7 @@ def all_reduce(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     tensor = require_tensor("tensor", tensor)
-    require_reduce_op(op, tensor.dtype)
+    require_reduce_op(op, tensor.dtype, facts.is_nccl)
     require_contiguous("tensor", tensor, any_memory_format=True)  # NCCL refuses at launch
     if facts.is_nccl:
         require_backend_device(base, "tensor", tensor)
@@ -651,7 +651,7 @@ def reduce_scatter_tensor(
     base, facts = resolve_group_and_facts(group)
     async_op = _check_async_op(async_op)
     output, input = _check_pair(output, input, base, facts)
-    require_reduce_op(op, input.dtype)
+    require_reduce_op(op, input.dtype, facts.is_nccl)
     _require_world_chunks(
         "reduce_scatter_tensor", "input", input, "output", output, base, facts.size
     )

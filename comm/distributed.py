@@ -25,6 +25,7 @@ import torch.distributed as dist
 import dbo
 from comm import _abandoned
 from comm.groups import destroy_ubatch_groups, group_registry, ubatch_groups
+from dbo._checks import MAX_NUM_UBATCHES
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a collective may wait for its peers before it raises (seconds)."""
@@ -164,8 +165,10 @@ def init_distributed(
         )
     if isinstance(num_ubatch_groups, bool) or not isinstance(num_ubatch_groups, int):
         raise TypeError(f"num_ubatch_groups must be an int >= 0, got {num_ubatch_groups!r}")
-    if num_ubatch_groups < 0:
-        raise ValueError(f"num_ubatch_groups must be >= 0, got {num_ubatch_groups}")
+    if not 0 <= num_ubatch_groups <= MAX_NUM_UBATCHES:
+        raise ValueError(
+            f"num_ubatch_groups must be in [0, {MAX_NUM_UBATCHES}], got {num_ubatch_groups}"
+        )
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
 
@@ -219,7 +222,7 @@ def _refuse_contradiction(
     if device is not None:
         local_rank = current.index if current.type == "cuda" and current.index is not None else 0
         wanted = _resolve_device(device, backend, local_rank)
-        if wanted != current:
+        if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
             raise ValueError(
                 f"comm.init_distributed(device={device!r}): torch.distributed is already "
                 f"initialized for device {current}; {how}"

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 import dbo
 from comm._checks import _still_registered, resolve_group
+from dbo._checks import check_num_ubatches
 
 
 class UBatchGroupRegistry:
@@ -289,14 +290,12 @@ def ubatch_groups(
 
     Args:
         group: the base group; None: the default (world) group.
-        num_ubatches: how many duplicates, >= 1 (the ubatch count you overlap with).
+        num_ubatches: how many duplicates, in [1, 1024] (the ubatch count you overlap
+            with).
         ranks: on a non-member only (required there): the base group's ranks.
         key: on a non-member: which base group this is, to make repeated calls safe.
     """
-    if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, int):
-        raise TypeError(f"num_ubatches must be an int >= 1, got {num_ubatches!r}")
-    if num_ubatches < 1:
-        raise ValueError(f"num_ubatches must be >= 1, got {num_ubatches}")
+    num_ubatches = check_num_ubatches(num_ubatches)
     try:  # on every rank, so that a bad call raises alike on members and non-members
         hash(key)
     except TypeError:

@@ -208,7 +208,7 @@ def overlap(
     graph of outputs that have one. A custom `merge` runs under the caller's mode.
 
     Args:
-        num_ubatches: ubatches per call, an int >= 1.
+        num_ubatches: ubatches per call, an int in [1, 1024].
         split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`.
         merge: `merge([out_0, out_1, ...]) -> out`.
         min_batch_size: below this batch size, run inline (overlap loses on small

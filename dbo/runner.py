@@ -164,7 +164,7 @@ class UBatchRunner:
     """Runs a callable once per ubatch, in persistent worker threads, passing the baton.
 
     Args:
-        num_ubatches: how many ubatches (and worker threads), >= 1.
+        num_ubatches: how many ubatches (and worker threads), in [1, 1024].
         device: where the ubatches' streams live. None: the device of the first CUDA
             tensor in each run's inputs (CPU when there is none).
 

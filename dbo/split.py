@@ -302,7 +302,7 @@ def balanced_token_split(
 
     Args:
         num_tokens_per_request: token count of each request, in batch order.
-        num_ubatches: how many ubatches (>= 1).
+        num_ubatches: how many ubatches, in [1, 1024].
         allow_straddle: if True, token counts differ by at most one and a request may
             continue from one ubatch into the next; if False, the split falls on request
             boundaries and minimises the largest ubatch's token count.
@@ -348,7 +348,10 @@ def balanced_token_split(
 
 def _token_count(count: Any) -> int:
     """One entry of a list of token counts, as an int (TypeError naming the argument)."""
-    if not isinstance(count, bool):  # operator.index takes a bool as 0 or 1
+    is_bool = isinstance(count, bool) or (
+        isinstance(count, torch.Tensor) and count.dtype == torch.bool
+    )
+    if not is_bool:  # operator.index takes a bool (and a bool tensor) as 0 or 1
         try:
             return operator.index(count)
         except TypeError:

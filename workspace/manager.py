@@ -375,7 +375,7 @@ class WorkspaceManager:
     Args:
         device: where the buffers live (`torch.device`, "cpu", "cuda:0", ...).
         num_ubatches: how many slots; the slot is `dbo.current_ubatch_id()` of the caller,
-            so use the overlap's ubatch count. None means 1 (no DBO).
+            so use the overlap's ubatch count (at most 1024). None means 1 (no DBO).
 
     Semantics:
         - Grow together: all slots share one capacity. A request larger than it raises the

@@ -320,3 +320,24 @@ def test_all_reduce_takes_a_channels_last_tensor_as_torch_does(world_of_one: Non
     torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="contiguous"):
         comm.all_reduce(torch.arange(8.0).reshape(2, 4)[:, ::2])  # gaps: still refused
+
+
+def test_the_integer_average_refusal_is_gloos_only() -> None:
+    """NCCL averages integers (torch maps AVG to ncclAvg for every dtype but bool); only
+    gloo writes the sum and then fails to cast. Bool averages nowhere."""
+    from comm._checks import require_reduce_op
+
+    require_reduce_op(dist.ReduceOp.AVG, torch.int64, is_nccl=True)
+    require_reduce_op(dist.ReduceOp.AVG, torch.bfloat16, is_nccl=False)
+    require_reduce_op(dist.ReduceOp.SUM, torch.int64, is_nccl=False)
+    for dtype, is_nccl in [(torch.int64, False), (torch.bool, False), (torch.bool, True)]:
+        with pytest.raises(TypeError, match="AVG"):
+            require_reduce_op(dist.ReduceOp.AVG, dtype, is_nccl=is_nccl)
+
+
+@pytest.mark.timeout(60)
+def test_ubatch_groups_refuses_more_duplicates_than_ubatches_can_be(world_of_one: None) -> None:
+    from dbo._checks import MAX_NUM_UBATCHES
+
+    with pytest.raises(ValueError, match="num_ubatches"):
+        comm.ubatch_groups(None, MAX_NUM_UBATCHES + 1)

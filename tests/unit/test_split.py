@@ -113,6 +113,7 @@ def test_token_split_accepts_tensors_and_rejects_bad_input() -> None:
     "counts",
     [
         [True, False, True],  # a bool tensor is refused: so is a list of bools
+        [torch.tensor(True), torch.tensor(False)],
         [2.0, 3.0],
         [[1, 2], [3, 4]],
         ["3"],
@@ -390,3 +391,19 @@ def test_a_field_derived_by_a_module_level_helper_is_derived_again_both_ways() -
     assert seen == [(3, 3), (3, 3)]
     merged = dbo.overlap(lambda x: Rows(x * 2), timeout_s=30)(torch.ones(6, 2))
     assert merged.num_rows == 6
+
+
+def test_the_ubatch_count_is_capped_alike_everywhere() -> None:
+    """A typo such as 2**31 must fail at once, not build that many threads or slots."""
+    from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
+
+    assert check_num_ubatches(MAX_NUM_UBATCHES) == MAX_NUM_UBATCHES
+    too_many = MAX_NUM_UBATCHES + 1
+    with pytest.raises(ValueError, match="num_ubatches"):
+        dbo.UBatchRunner(too_many)
+    with pytest.raises(ValueError, match="num_ubatches"):
+        dbo.overlap(lambda x: x, num_ubatches=too_many)
+    with pytest.raises(ValueError, match="num_ubatches"):
+        dbo.balanced_token_split([1] * 4, too_many)
+    with pytest.raises(ValueError, match="num_ubatches"):
+        dbo.default_split((torch.zeros(4),), {}, too_many)
