@@ -63,6 +63,10 @@ class OverlapRun:
             [] for _ in range(num_ubatches)
         ]
         """(owner, hook) pairs waiting for ubatch k, registered by the ubatch before it."""
+        self._running_hook_owner: list[int | None] = [None] * num_ubatches
+        """While ubatch k's thread runs a hook: the ubatch that hook belongs to. A stage
+        the hook registers (a two-stage receive) belongs to that ubatch too, whose
+        streams must wait for it, not to the thread that happened to run the first."""
         self._finished = [False] * num_ubatches
         self._exit_callbacks: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
         self.first_failure: tuple[int, BaseException] | None = None
@@ -126,12 +130,23 @@ class OverlapRun:
         """At a ubatch's normal end: run the hooks still pending for it, then the hooks it
         registered for a ubatch that has already finished (nobody else would run them),
         until none is left (a hook run here that registers another, a two-stage receive,
-        registers it for that finished ubatch again). Idempotent."""
-        self.maybe_run_recv_hook(ubatch_id)
+        registers it for that finished ubatch again). Idempotent.
+
+        Its own hooks run until none is left before it counts as finished: a hook that
+        yields lets the previous ubatch register another for it, which that ubatch,
+        seeing its target not finished yet, leaves to it. Once the last call ran none
+        (so did not yield), nothing can register in between.
+        """
+        self._drain_hooks(ubatch_id, ubatch_id)
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
+        if self._finished[target]:
+            self._drain_hooks(target, ubatch_id)
+
+    def _drain_hooks(self, target: int, running: int) -> None:
+        """Run the hooks pending for `target` in `running`'s thread until none is left."""
         deadline = None
-        while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
+        while self.maybe_run_recv_hook(target, running=running):
             # A hook that registers itself again polls (a receive not complete yet):
             # fine for a while; one that never stops would spin here for good.
             now = time.monotonic()
@@ -175,7 +190,11 @@ class OverlapRun:
         self.on_comm[ubatch_id] = to_comm
 
     def register_recv_hook(self, ubatch_id: int, hook: Callable[[], Any]) -> None:
-        self._hooks_for[(ubatch_id + 1) % self.num_ubatches].append((ubatch_id, hook))
+        """Queue `hook` for the next ubatch; registered from inside a hook, it belongs to
+        that hook's owner."""
+        owner = self._running_hook_owner[ubatch_id]
+        owner = ubatch_id if owner is None else owner
+        self._hooks_for[(ubatch_id + 1) % self.num_ubatches].append((owner, hook))
 
     def maybe_run_recv_hook(self, ubatch_id: int, running: int | None = None) -> bool:
         """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran.
@@ -191,14 +210,21 @@ class OverlapRun:
             return False
         self._hooks_for[ubatch_id] = []
         running = ubatch_id if running is None else running
-        for owner, hook in pending:
+        outer_owner = self._running_hook_owner[running]  # a hook may run hooks
+        for index, (owner, hook) in enumerate(pending):
+            self._running_hook_owner[running] = owner
             try:
                 hook()
             except BaseException as error:  # noqa: B036 - re-raised, with where it came from
+                # The ones after it stay queued, ahead of any registered since: `fn`
+                # may catch the error and run them.
+                self._hooks_for[ubatch_id][:0] = pending[index + 1 :]
                 # The error surfaces in the thread that ran the hook; its author looks
                 # for the ubatch that registered it.
                 add_note(error, f"in a recv hook registered by ubatch {owner}")
                 raise
+            finally:
+                self._running_hook_owner[running] = outer_owner
         owners = sorted({owner for owner, _ in pending if owner != running})
         if owners:
             done = self.backend.record_event(self.backend.current_stream())

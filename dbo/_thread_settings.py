@@ -6,8 +6,12 @@ and the privateuse1 backend), the default device (`with torch.device(...)`,
 (`torch.autograd.graph.saved_tensors_hooks`: `save_on_cpu`, non-reentrant checkpointing
 around the overlapped call; the innermost pair, and whether they are disabled) are all
 per thread in PyTorch. CPU affinity is per thread too, but is not replayed per call (see
-`dbo._affinity`). Not replayed: other torch-function and dispatch modes (e.g.
-FakeTensorMode); enter those inside `fn`. `torch.func` transforms (grad, vmap)
+`dbo._affinity`). Not replayed: other torch-function and dispatch modes (FakeTensorMode,
+a FLOP counter, `allow_mutation_on_saved_tensors`'s): `dbo.overlap` runs inline under
+one (entering one mode object from several threads breaks modes that keep per-entry
+state), and modes `fn` leaves entered are popped when its job ends. Nor is an autocast
+dtype set with `torch.set_autocast_dtype` while autocast is off (only enabled autocasts
+are captured, to keep the per-call cost down). `torch.func` transforms (grad, vmap)
 cannot cross threads: `dbo.overlap` runs inline under one. The profiler records the
 caller's thread only, unless started with
 `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
@@ -164,6 +168,7 @@ _saved_tensors_hooks_disabled = getattr(
 )
 _CPU = torch.device("cpu")
 _function_mode_depth = getattr(torch._C, "_len_torch_function_stack", None)
+_dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _device_context_holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
 
 
@@ -276,3 +281,14 @@ def _clear_leftovers() -> None:
             _pop_saved_tensors_hooks()
     if _enable_saved_tensors_hooks is not None and _saved_tensors_hooks_disabled() is not None:
         _enable_saved_tensors_hooks()
+    # Modes `fn` entered and never exited (the caller's are never replayed: a call under
+    # one runs inline). A default device `fn` set goes through torch's own call, which
+    # also forgets it; anything left is popped without its __exit__.
+    if _function_mode_depth is not None and _function_mode_depth() > 0:
+        if getattr(_device_context_holder, "device_context", None) is not None:
+            torch.set_default_device(None)
+        while _function_mode_depth() > 0:
+            torch._C._pop_torch_function_stack()
+    if _dispatch_mode_depth is not None:
+        while _dispatch_mode_depth() > 0:
+            torch._C._pop_torch_dispatch_stack(None)

@@ -188,8 +188,10 @@ def overlap(
     Runs `fn` once on the whole input in the calling thread, with no threads
     (`dbo.enabled()` False), when the batch is smaller than `num_ubatches` or than
     `min_batch_size`, or has no tensor to split. Called inside a ubatch (a nested
-    overlap), or under a `torch.func` transform (grad, vmap: ubatch threads cannot see
-    it), it also runs `fn` inline on its whole input. With a custom `merge`, an inline
+    overlap), under a `torch.func` transform (grad, vmap: ubatch threads cannot see
+    it), or under a torch-function or dispatch mode (FakeTensorMode, a FLOP counter,
+    `allow_mutation_on_saved_tensors`; not `with torch.device(...)`, which the workers
+    replay), it also runs `fn` inline on its whole input. With a custom `merge`, an inline
     call returns `merge([output])`, so the result has one type whatever the path.
     The batch size is the common dim 0 of the tensor leaves; with a custom `split`,
     the largest dim 0 (ragged inputs: metadata per request next to the tokens).
@@ -281,9 +283,10 @@ def overlap(
         return _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
 
     def overlapped(*args: Any, **kwargs: Any) -> Any:
-        if current_context() is not None or _under_functorch_transform():
+        if current_context() is not None or _under_functorch_transform() or _under_torch_mode():
             # Nested: no ubatches inside a ubatch. A torch.func transform (grad, vmap)
-            # lives in this thread's interpreter stack, which ubatch threads do not see.
+            # lives in this thread's interpreter stack, which ubatch threads do not see;
+            # so do torch-function and dispatch modes (`_under_torch_mode`).
             return inline(args, kwargs)
         recording = tracing._active
         start = time.perf_counter() if recording is not None else 0.0
@@ -386,6 +389,26 @@ def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
     on. Inputs may be ragged (per-request metadata next to the tokens), so dim-0 sizes
     need not agree, and the tokens are the largest."""
     return max((int(leaf.size(0)) for _, leaf in leaves), default=None)
+
+
+_function_mode_depth = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+_dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def _under_torch_mode() -> bool:
+    """Whether a torch-function mode (other than the default device's, which workers
+    replay) or a dispatch mode is active in this thread (FakeTensorMode, a FLOP counter,
+    `allow_mutation_on_saved_tensors`'s clone-before-mutate). Modes are per thread, and
+    entering one mode object from two threads breaks those that keep per-entry state,
+    so they are not replayed: the call runs inline, under them."""
+    if _dispatch_mode_depth() > 0:
+        return True
+    if _function_mode_depth() == 0:
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return not all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 def _under_functorch_transform() -> bool:

@@ -421,3 +421,88 @@ def test_a_hook_that_polls_until_its_receive_completes_finishes() -> None:
 
     _overlap(fn)(torch.zeros(2))
     assert done.is_set() and len(polls) > 1
+
+
+# ------------------------------------------ torch-function / dispatch modes (tenth session)
+def _mutates_a_saved_tensor(a: torch.Tensor) -> torch.Tensor:
+    b = a.clone()
+    out = b**2  # saves b
+    b.sin_()  # allowed under allow_mutation_on_saved_tensors: it clones b first
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_allow_mutation_on_saved_tensors_around_an_overlap_gives_the_right_gradient() -> None:
+    """The context is saved-tensor hooks (replayed in the workers) plus a dispatch mode
+    that clones before a mutation (not replayable: modes keep per-entry state). With
+    only the hooks, a mutated saved tensor gave a silently wrong gradient; a call under
+    a mode now runs inline, like one under a torch.func transform."""
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        dbo.overlap(_mutates_a_saved_tensor, timeout_s=10)(a).sum().backward()
+    torch.testing.assert_close(a.grad, 2 * a.detach())
+
+
+@pytest.mark.timeout(30)
+def test_a_dispatch_mode_around_an_overlap_sees_the_ops_of_fn() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.ones(3, 3)
+    with Recording() as recording:
+        dbo.overlap(lambda x: torch.mm(x, weight), timeout_s=10)(torch.ones(4, 3))
+    assert any("mm" in op for op in recording.ops), recording.ops
+
+
+@pytest.mark.timeout(30)
+def test_a_fake_tensor_mode_around_an_overlap_covers_the_tensors_fn_creates() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.zeros(4, 3))
+        out = dbo.overlap(lambda t: t + torch.ones(3), timeout_s=10)(x)
+    assert tuple(out.shape) == (4, 3)
+
+
+@pytest.mark.timeout(30)
+def test_the_default_device_context_still_overlaps() -> None:
+    """`with torch.device(...)` is a torch-function mode too, but the workers replay it."""
+    seen: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dbo.enabled())
+        return x
+
+    with torch.device("cpu"):
+        dbo.overlap(fn, timeout_s=10)(torch.zeros(4))
+    assert seen == [True, True]
+
+
+@pytest.mark.timeout(30)
+def test_a_mode_fn_entered_and_never_exited_does_not_reach_the_next_call() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RefuseMul(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.mul.Tensor:
+                raise RuntimeError("a mode left behind by an earlier call intercepted mul")
+            return func(*args, **(kwargs or {}))
+
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        RefuseMul().__enter__()  # never exited
+        return x + 1
+
+    x = torch.zeros(4)
+    dbo.overlap(leaky, timeout_s=10)(x)
+    assert torch.equal(dbo.overlap(lambda t: t * 2, timeout_s=10)(x), x * 2)
+    depths: list[int] = []
+    dbo.overlap(lambda t: (depths.append(torch._C._len_torch_dispatch_stack()), t)[1])(x)
+    assert depths == [0, 0]

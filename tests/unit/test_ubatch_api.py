@@ -318,3 +318,86 @@ def test_a_failing_recv_hook_names_the_ubatch_that_registered_it() -> None:
     notes = raised.value.__notes__
     assert "in a recv hook registered by ubatch 0" in notes
     assert "raised in ubatch 1 of 2 (dbo overlap)" in notes
+
+
+# ---------------------------------------------- recv hooks: found in the tenth session
+@pytest.mark.timeout(30)
+def test_a_hook_registered_while_its_target_runs_its_last_hooks_still_runs() -> None:
+    """The target ran its pending hooks and only then counted itself finished: a hook
+    that yielded let the previous ubatch register another and return, seeing a target
+    not yet finished, and nobody ever ran that one (the overlap returned normally)."""
+    ran: list[str] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+
+            def first() -> None:
+                ran.append("first")
+                dbo.yield_()  # as a collective handle's wait() does
+
+            dbo.register_recv_hook(first)
+            dbo.yield_()
+            dbo.register_recv_hook(lambda: ran.append("second"))
+        return x
+
+    dbo.overlap(fn, timeout_s=10)(torch.zeros(2))
+    assert ran == ["first", "second"]
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_hook_leaves_the_hooks_after_it_pending() -> None:
+    """All pending hooks were taken off the queue before they ran: when one raised (and
+    `fn` caught it), the ones after it were lost without a trace."""
+    ran: list[str] = []
+
+    def fail() -> None:
+        raise ValueError("receive failed")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            dbo.register_recv_hook(fail)
+            dbo.register_recv_hook(lambda: ran.append("after"))
+        dbo.yield_()
+        if dbo.current_ubatch_id() == 1:
+            with pytest.raises(ValueError, match="receive failed"):
+                dbo.maybe_run_recv_hook()
+            assert dbo.maybe_run_recv_hook()  # the second hook is still there
+        return x
+
+    dbo.overlap(fn, timeout_s=10)(torch.zeros(2))
+    assert ran == ["after"]
+
+
+def test_a_two_stage_hook_orders_its_first_owners_streams_after_both_stages() -> None:
+    """A hook that registers its second stage registered it as the running ubatch's own:
+    with 3 ubatches the second stage's owner was the ubatch that ran the first stage, so
+    the ubatch that reads the data never waited for the second stage's kernels."""
+    from dbo._run import OverlapRun, UBatchStreams
+    from dbo.device import CpuBackend, CpuEvent, CpuStream
+
+    waits: list[tuple[str, str]] = []
+
+    class RecordingBackend(CpuBackend):
+        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+            waits.append((stream.name, event.stream.name))
+            super().wait_event(stream, event)
+
+    backend = RecordingBackend()
+    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in range(3)]
+    run = OverlapRun(3, backend, streams, owner=None)
+
+    def stage_one() -> None:  # runs in ubatch 1's thread
+        run.register_recv_hook(1, lambda: None)  # its second stage, as dbo.register_recv_hook
+
+    run.register_recv_hook(0, stage_one)
+    try:
+        backend.set_current_stream(streams[1].compute)
+        assert run.maybe_run_recv_hook(1)
+        backend.set_current_stream(streams[2].compute)
+        assert run.maybe_run_recv_hook(2)  # the second stage, in the next thread
+    finally:
+        backend.set_current_stream(backend._default)
+    assert waits == [
+        ("compute0", "compute1"), ("comm0", "compute1"),  # after stage one
+        ("compute0", "compute2"), ("comm0", "compute2"),  # after stage two
+    ]  # fmt: skip
