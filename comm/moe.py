@@ -292,7 +292,8 @@ def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.
     rank's exchange differentiable when its own `expert_out` would not, else None.
     """
     needs_grad = expert_out.requires_grad
-    flag = torch.tensor([int(needs_grad)], dtype=torch.int32, device=expert_out.device)
+    # torch.full: a copy from host memory would be one more host sync, under the baton.
+    flag = torch.full((1,), int(needs_grad), dtype=torch.int32, device=expert_out.device)
     all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if needs_grad or not bool(flag.item()):
         return None

@@ -300,7 +300,9 @@ def overlap(
                     _report_failure_to_ranks(decision_group)
                 raise
             if decision_group is not None:
-                size = _smallest_batch_across_ranks(0 if size is None else size, decision_group)
+                size = _smallest_batch_across_ranks(
+                    0 if size is None else size, decision_group, leaves
+                )
                 if size == _FAILED_RANK:
                     raise RuntimeError(
                         "dbo.overlap: another rank of decision_group could not size its "
@@ -372,14 +374,24 @@ def _report_failure_to_ranks(group: Any) -> None:
         _smallest_batch_across_ranks(_FAILED_RANK, group)
 
 
-def _smallest_batch_across_ranks(local_size: int, group: Any) -> int:
+def _smallest_batch_across_ranks(
+    local_size: int, group: Any, leaves: Sequence[tuple[str, torch.Tensor]] = ()
+) -> int:
     """MIN of every rank's batch size over `group` (blocking; same call on every rank)."""
     import torch.distributed as dist
 
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    size = torch.tensor([local_size], dtype=torch.int64, device=device)
+        # The group's own GPU when it has one (init_distributed binds it), else the
+        # inputs': the current device is per thread, and a caller thread other than
+        # the one that initialized would name cuda:0 on every rank.
+        device = getattr(group, "bound_device_id", None) or next(
+            (leaf.device for _, leaf in leaves if leaf.is_cuda),
+            torch.device("cuda", torch.cuda.current_device()),
+        )
+    # torch.full, not torch.tensor: a copy from host memory would sync the host once
+    # more than the .item() that the decision needs.
+    size = torch.full((1,), local_size, dtype=torch.int64, device=device)
     dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
     return int(size.item())
 

@@ -760,3 +760,26 @@ def test_a_min_batch_size_below_one_is_refused_when_wrapping(bad: int) -> None:
     """It would silently mean "no minimum"; a typo (0 for 10) should not pass unseen."""
     with pytest.raises(ValueError, match="min_batch_size must be >= 1"):
         dbo.overlap(lambda x: x, min_batch_size=bad)
+
+
+def test_the_nccl_decision_uses_the_groups_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The current CUDA device is per thread: a caller thread other than the one that
+    initialized would name cuda:0 on every rank. A group bound to its GPU (as
+    `comm.init_distributed` binds it) says which one."""
+    import torch.distributed as dist
+
+    from dbo.overlap import _smallest_batch_across_ranks
+
+    seen: list[torch.Tensor] = []
+
+    class BoundGroup:
+        bound_device_id = torch.device("cpu")  # stands in for this rank's GPU
+
+    def fake_all_reduce(tensor: torch.Tensor, op: object, group: object) -> None:
+        seen.append(tensor)
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked the thread"))
+    assert _smallest_batch_across_ranks(7, BoundGroup()) == 7
+    assert seen[0].device == torch.device("cpu")
