@@ -113,9 +113,10 @@ def _blocked_ms_per_step(timeline: dbo.Trace) -> float:
     return blocked_s * 1e3 / _TRACED_STEPS
 
 
-def run(args: argparse.Namespace) -> None:
-    """One rank's work (under torchrun, or in a process that `--spawn` started)."""
-    rank, world_size, device = comm.init_distributed(timeout_s=120)
+def run(args: argparse.Namespace, backend: str | None = None) -> None:
+    """One rank's work (under torchrun: NCCL on each rank's GPU when there is one, else
+    gloo; or in a process that `--spawn` started: gloo on CPU)."""
+    rank, world_size, device = comm.init_distributed(backend=backend, timeout_s=120)
     torch.manual_seed(1234 + rank)
     model = MoEModel(args.layers, args.hidden, args.ffn, args.experts_per_rank, args.topk)
     model = model.to(device)
@@ -200,7 +201,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespac
     if len(cores) >= world_size:
         os.sched_setaffinity(0, {cores[rank]})  # one core per rank, like one GPU per rank
     torch.set_num_threads(max(1, len(cores) // world_size))
-    run(args)
+    run(args, backend="gloo")  # CPU ranks, even where a GPU (fewer than N, maybe) is present
 
 
 def spawn(world_size: int, args: argparse.Namespace) -> None:

@@ -31,8 +31,17 @@ def fresh_workspace_global() -> Iterator[None]:
 
 
 @pytest.fixture
-def world_of_one(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A torch.distributed world of one rank (no torchrun environment), torn down after."""
+def cpu_machine_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`comm.init_distributed`'s defaults of a CPU machine (gloo, CPU) for one test: the
+    CPU tiers pass CPU tensors, and on a machine with a GPU the defaults would be NCCL
+    on cuda:LOCAL_RANK, which refuses them. (The `gpu` tests use CUDA.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch: pytest.MonkeyPatch, cpu_machine_defaults: None) -> Iterator[None]:
+    """A torch.distributed world of one rank (no torchrun environment, gloo on CPU even
+    on a machine with a GPU), torn down after."""
     for name in TORCHRUN_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     comm.destroy_distributed()

@@ -7,8 +7,11 @@ The parent hosts the rendezvous store (a `TCPStore` bound to port 0 on 127.0.0.1
 the kernel picks a free port and nobody can take it before the ranks connect) and
 starts each rank with the environment torchrun gives it (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, and TORCHELASTIC_USE_AGENT_STORE=True so that every rank is a
-client of the parent's store, as under torchrun's agent). Each rank sets one intra-op
-thread and calls `fn(*args)`; the function calls `comm.init_distributed()` itself.
+client of the parent's store, as under torchrun's agent), and with no GPU visible
+(CUDA_VISIBLE_DEVICES empty): these are the gloo tests, and on a machine with a GPU
+`comm.init_distributed()`'s defaults would otherwise be NCCL on cuda:LOCAL_RANK. Each
+rank sets one intra-op thread and calls `fn(*args)`; the function calls
+`comm.init_distributed()` itself.
 
 Result passing: each rank sends one message on its own pipe: its return value, or the
 exception's type name, message and traceback; `torch.save` bytes, so tensors travel too.
@@ -19,13 +22,14 @@ not exit within `exit_timeout_s` are killed and flagged (`exited` False).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import multiprocessing.connection
 import os
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -124,6 +128,19 @@ def start_together(timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
+def _no_visible_gpu() -> Iterator[None]:
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
 def run_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -149,7 +166,8 @@ def run_world(
                 name=f"rank{rank}",
                 daemon=True,
             )
-            process.start()
+            with _no_visible_gpu():  # the child's environment is copied at its start
+                process.start()
             sender.close()  # the child holds the only write end: EOF when it dies
             processes.append(process)
             receivers[rank] = receiver

@@ -94,7 +94,9 @@ def test_a_non_member_group_says_not_a_member(world_of_one: None) -> None:
 
 
 @pytest.fixture
-def partial_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def partial_torchrun_env(
+    monkeypatch: pytest.MonkeyPatch, cpu_machine_defaults: None
+) -> Iterator[None]:
     for name in TORCHRUN_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     comm.destroy_distributed()

@@ -15,7 +15,9 @@ from comm.groups import group_registry
 
 
 @pytest.fixture
-def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def no_torchrun_env(
+    monkeypatch: pytest.MonkeyPatch, cpu_machine_defaults: None
+) -> Iterator[None]:
     for name in TORCHRUN_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     comm.destroy_distributed()
