@@ -18,13 +18,15 @@ import dbo
 
 
 def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Outputs start as NaN, not as whatever memory empty_like reuses: a result read
+    # before its collective wrote it (a missing stream wait) cannot then pass for right.
     reduced = x.clone()
     comm.all_reduce(reduced)
-    moved = torch.empty_like(x)
+    moved = torch.full_like(x, float("nan"))
     comm.all_to_all_single(moved, x)
-    gathered = torch.empty_like(x)
+    gathered = torch.full_like(x, float("nan"))
     comm.all_gather_into_tensor(gathered, x)
-    scattered = torch.empty_like(x)
+    scattered = torch.full_like(x, float("nan"))
     comm.reduce_scatter_tensor(scattered, x.clone())
     late = x * 3
     work = comm.all_reduce(late, async_op=True)

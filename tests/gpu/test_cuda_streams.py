@@ -89,6 +89,7 @@ def test_a_recv_hook_kernel_is_ordered_before_its_owner_reads() -> None:
     assert out.tolist() == [1.0, 2.0]
 
 
+@pytest.mark.timeout(300)  # a cold torchrun start with CUDA and 3 NCCL communicators
 def test_nccl_world_of_one_with_per_ubatch_communicators() -> None:
     import os
     import subprocess
