@@ -42,6 +42,11 @@ class DeviceBackend(Protocol):
     def enter_thread(self) -> None:
         """Prepare a worker thread to launch work on this device."""
 
+    def hand_over(self, outputs: Any, stream: Any) -> None:
+        """The tensors in `outputs` (any nesting), made on the ubatch streams, are used
+        and freed on `stream` from now on: keep the allocator from reusing their memory
+        for the ubatch streams' later work before `stream` is done with them."""
+
     def synchronize(self) -> None:
         """Block the host until all work on the device is done."""
 
@@ -107,6 +112,9 @@ class CpuBackend:
     def enter_thread(self) -> None:
         """Nothing to do on CPU."""
 
+    def hand_over(self, outputs: Any, stream: CpuStream) -> None:
+        """Nothing to do: CPU memory is free once the host is done with it."""
+
     def synchronize(self) -> None:
         """Nothing to do: CPU work is synchronous."""
 
@@ -145,6 +153,17 @@ class CudaBackend:
     def enter_thread(self) -> None:
         # The current device is thread-local: a new thread starts on device 0.
         torch.cuda.set_device(self.device)
+
+    def hand_over(self, outputs: Any, stream: torch.cuda.Stream) -> None:
+        # A block freed after the caller's merge goes back to the pool of the ubatch
+        # stream that allocated it, for reuse at once. The next run orders its streams
+        # after its own caller's stream only: a caller on another stream (another
+        # thread) would get it while this caller's merge may still read it.
+        from dbo._pytree import flatten
+
+        for leaf in flatten(outputs)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+                leaf.record_stream(stream)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -468,6 +468,7 @@ class UBatchRunner:
         self._join_streams(run, caller_stream)
         failure = run.first_failure or _first_failure(errors)
         if failure is None:
+            backend.hand_over(results, caller_stream)
             return results
         run.drop_leftovers()  # what its aborted ubatches left (a success leaves nothing)
         # Nothing here may keep the error once it is raised: this frame is on its

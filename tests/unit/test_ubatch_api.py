@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -401,3 +402,30 @@ def test_a_two_stage_hook_orders_its_first_owners_streams_after_both_stages() ->
         ("compute0", "compute1"), ("comm0", "compute1"),  # after stage one
         ("compute0", "compute2"), ("comm0", "compute2"),  # after stage two
     ]  # fmt: skip
+
+
+def test_the_outputs_are_handed_over_to_the_callers_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the outputs' memory belongs to the ubatch streams' pools; the caller's
+    merge reads it on its own stream, so the runner tells the allocator (record_stream)
+    that the caller's stream uses them from now on. A failed run hands nothing over."""
+    from dbo import runner as runner_module
+    from dbo.device import CpuBackend
+
+    handed: list[tuple[Any, str]] = []
+
+    class RecordingBackend(CpuBackend):
+        def hand_over(self, outputs: Any, stream: CpuStream) -> None:
+            handed.append((outputs, stream.name))
+
+    monkeypatch.setattr(runner_module, "backend_for", lambda device: RecordingBackend())
+    with dbo.UBatchRunner(2) as runner:
+        outputs = runner.run(lambda x: x * 2, [((torch.ones(2),), {}), ((torch.zeros(2),), {})])
+        assert len(handed) == 1 and handed[0][0] is outputs
+        assert handed[0][1] == RecordingBackend().current_stream().name  # the caller's
+
+        def fail(x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("no outputs")
+
+        with pytest.raises(ValueError):
+            runner.run(fail, [((torch.ones(2),), {})] * 2)
+    assert len(handed) == 1
