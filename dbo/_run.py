@@ -137,16 +137,14 @@ class OverlapRun:
         seeing its target not finished yet, leaves to it. Once the last call ran none
         (so did not yield), nothing can register in between.
         """
-        self._drain_hooks(ubatch_id, ubatch_id)
+        # No time limit here: each new hook for this ubatch comes from the previous
+        # one's progress (it registers one per step while this one's hooks yield).
+        while self.maybe_run_recv_hook(ubatch_id):
+            pass
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
-        if self._finished[target]:
-            self._drain_hooks(target, ubatch_id)
-
-    def _drain_hooks(self, target: int, running: int) -> None:
-        """Run the hooks pending for `target` in `running`'s thread until none is left."""
         deadline = None
-        while self.maybe_run_recv_hook(target, running=running):
+        while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
             # A hook that registers itself again polls (a receive not complete yet):
             # fine for a while; one that never stops would spin here for good.
             now = time.monotonic()
@@ -217,19 +215,26 @@ class OverlapRun:
                 hook()
             except BaseException as error:  # noqa: B036 - re-raised, with where it came from
                 # The ones after it stay queued, ahead of any registered since: `fn`
-                # may catch the error and run them.
+                # may catch the error and run them; the ones before it ran, and their
+                # owners must still read what they received in order.
                 self._hooks_for[ubatch_id][:0] = pending[index + 1 :]
+                self._order_owners_after(pending[:index], running)
                 # The error surfaces in the thread that ran the hook; its author looks
                 # for the ubatch that registered it.
                 add_note(error, f"in a recv hook registered by ubatch {owner}")
                 raise
             finally:
                 self._running_hook_owner[running] = outer_owner
-        owners = sorted({owner for owner, _ in pending if owner != running})
+        self._order_owners_after(pending, running)
+        return True
+
+    def _order_owners_after(self, ran: list[tuple[int, Callable[[], Any]]], running: int) -> None:
+        """Make both streams of each owner of the hooks in `ran` (other than `running`,
+        whose thread ran them on its current stream) wait for what they enqueued."""
+        owners = sorted({owner for owner, _ in ran if owner != running})
         if owners:
             done = self.backend.record_event(self.backend.current_stream())
             for owner in owners:
                 self.backend.wait_event(self.streams[owner].compute, done)
                 self.backend.wait_event(self.streams[owner].comm, done)
-        return True
 

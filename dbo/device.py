@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from dbo._pytree import flatten
+
 
 class DeviceBackend(Protocol):
     """What the runtime asks of a device."""
@@ -159,9 +161,11 @@ class CudaBackend:
         # stream that allocated it, for reuse at once. The next run orders its streams
         # after its own caller's stream only: a caller on another stream (another
         # thread) would get it while this caller's merge may still read it.
-        from dbo._pytree import flatten
-
-        for leaf in flatten(outputs)[0]:
+        if type(outputs) in (list, tuple) and all(type(x) is torch.Tensor for x in outputs):
+            leaves: Any = outputs  # the usual `fn` returning one tensor: no tree walk
+        else:
+            leaves = flatten(outputs)[0]
+        for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
                 leaf.record_stream(stream)
 

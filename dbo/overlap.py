@@ -283,10 +283,14 @@ def overlap(
         return _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
 
     def overlapped(*args: Any, **kwargs: Any) -> Any:
-        if current_context() is not None or _under_functorch_transform() or _under_torch_mode():
-            # Nested: no ubatches inside a ubatch. A torch.func transform (grad, vmap)
-            # lives in this thread's interpreter stack, which ubatch threads do not see;
-            # so do torch-function and dispatch modes (`_under_torch_mode`).
+        if current_context() is not None:
+            return inline(args, kwargs)  # nested: no ubatches inside a ubatch
+        # A torch.func transform (grad, vmap) lives in this thread's interpreter stack,
+        # which ubatch threads do not see; so do torch-function and dispatch modes.
+        # With a decision group this rank still votes (for inline): a mode on some
+        # ranks only (a FLOP counter on rank 0) must send every rank inline.
+        must_inline = _under_functorch_transform() or _under_torch_mode()
+        if must_inline and decision_group is None:
             return inline(args, kwargs)
         recording = tracing._active
         start = time.perf_counter() if recording is not None else 0.0
@@ -300,9 +304,8 @@ def overlap(
                     _report_failure_to_ranks(decision_group)
                 raise
             if decision_group is not None:
-                size = _smallest_batch_across_ranks(
-                    0 if size is None else size, decision_group, leaves
-                )
+                vote = 0 if size is None or must_inline else size
+                size = _smallest_batch_across_ranks(vote, decision_group, leaves)
                 if size == _FAILED_RANK:
                     raise RuntimeError(
                         "dbo.overlap: another rank of decision_group could not size its "
@@ -390,10 +393,20 @@ def _smallest_batch_across_ranks(
             torch.device("cuda", torch.cuda.current_device()),
         )
     # torch.full, not torch.tensor: a copy from host memory would sync the host once
-    # more than the .item() that the decision needs.
-    size = torch.full((1,), local_size, dtype=torch.int64, device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
-    return int(size.item())
+    # more than the .item() that the decision needs. Outside any mode the caller is
+    # under (a FakeTensorMode would make the vote a fake tensor).
+    with _no_torch_modes():
+        size = torch.full((1,), local_size, dtype=torch.int64, device=device)
+        dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
+        return int(size.item())
+
+
+@contextlib.contextmanager
+def _no_torch_modes() -> Iterator[None]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
 
 
 def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:

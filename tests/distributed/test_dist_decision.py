@@ -94,3 +94,35 @@ def test_a_rank_that_cannot_size_its_input_makes_every_rank_raise_not_wait() -> 
     for value in values:
         assert value["calls"] == 0, value
         assert value["after"] == 2.0, value
+
+
+def _a_mode_on_one_rank_only() -> dict[str, object]:
+    """Rank 0 counts FLOPs around the call (a dispatch mode: the call must run inline
+    there), rank 1 does not: with decision_group both must go inline together, or one
+    rank's in-`fn` collective pairs with the other's decision all-reduce."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rank, _, _ = comm.init_distributed(timeout_s=30)
+    seen: list[bool] = []
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dbo.enabled())
+        total = torch.tensor([float(x.shape[0])])
+        comm.all_reduce(total)
+        return x + total
+
+    step = dbo.overlap(layer, decision_group=dist.group.WORLD, timeout_s=20)
+    if rank == 0:
+        with FlopCounterMode(display=False):
+            out = step(torch.zeros(8, 2))
+    else:
+        out = step(torch.zeros(8, 2))
+    return {"seen": list(seen), "out": float(out[0, 0])}
+
+
+@pytest.mark.timeout(90)
+def test_a_mode_on_one_rank_sends_every_rank_inline() -> None:
+    values = expect_ok(run_world(_a_mode_on_one_rank_only, 2, timeout_s=45))
+    for rank, value in enumerate(values):
+        assert value["seen"] == [False], (rank, value)  # one inline call on every rank
+        assert value["out"] == 16.0, (rank, value)  # 8 rows on each of the 2 ranks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -429,3 +430,54 @@ def test_the_outputs_are_handed_over_to_the_callers_stream(monkeypatch: pytest.M
         with pytest.raises(ValueError):
             runner.run(fail, [((torch.ones(2),), {})] * 2)
     assert len(handed) == 1
+
+
+def test_a_returned_ubatchs_own_hooks_are_not_under_the_polling_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ubatch that has returned runs the hooks the other one keeps registering for it,
+    one per step of the other: that is the other's progress, not a hook polling, and
+    must not count against the limit meant for hooks that re-register themselves."""
+    from dbo import _run
+
+    monkeypatch.setattr(_run, "_HOOK_POLL_LIMIT_S", 0.2)
+    ran: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            for step in range(4):
+                dbo.register_recv_hook(lambda step=step: (ran.append(step), dbo.yield_()))
+                dbo.yield_()
+                time.sleep(0.1)  # 4 steps: twice the limit in all
+        return x
+
+    dbo.overlap(fn, timeout_s=30)(torch.zeros(2))
+    assert ran == [0, 1, 2, 3]
+
+
+def test_the_hooks_that_ran_before_a_failing_one_still_order_their_owners_streams() -> None:
+    from dbo._run import OverlapRun, UBatchStreams
+    from dbo.device import CpuBackend, CpuEvent, CpuStream
+
+    waits: list[tuple[str, str]] = []
+
+    class RecordingBackend(CpuBackend):
+        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+            waits.append((stream.name, event.stream.name))
+            super().wait_event(stream, event)
+
+    def fail() -> None:
+        raise ValueError("receive failed")
+
+    backend = RecordingBackend()
+    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in (0, 1)]
+    run = OverlapRun(2, backend, streams, owner=None)
+    run.register_recv_hook(0, lambda: None)  # a receive that completes
+    run.register_recv_hook(0, fail)
+    try:
+        backend.set_current_stream(streams[1].compute)
+        with pytest.raises(ValueError):
+            run.maybe_run_recv_hook(1)
+    finally:
+        backend.set_current_stream(backend._default)
+    assert waits == [("compute0", "compute1"), ("comm0", "compute1")]
