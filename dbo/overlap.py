@@ -228,7 +228,9 @@ def overlap(
             rank overlaps only if every rank's batch passes the thresholds above. Required
             when ranks may see different batch sizes and `fn` communicates. A rank whose
             input cannot be sized (tensors whose dim 0 differ) still takes part before it
-            raises, and every other rank then raises RuntimeError instead of waiting.
+            raises, and every other rank then raises RuntimeError instead of waiting. A
+            rank that must run inline (under a mode or a `torch.func` transform, such
+            as a FLOP counter on rank 0 only) votes inline, so every rank does.
             Build the wrapper after `comm.init_distributed()`: before it,
             `torch.distributed.group.WORLD` is None, which means "no decision group".
     """
