@@ -5,8 +5,9 @@ tensor subclasses to `__torch_function__`, view complex tensors as real, record 
 call inside a `dist._coalescing_manager` instead of launching it, and then call one
 method of the process group. `comm` has already checked the arguments by the time it
 launches (with errors that name the bad value), so for a plain call it calls that
-method itself: on the project's VM that is ~13 us less host time per collective, as
-much again as all of `comm`'s own work (`benchmarks/host_overhead.py`), and a host
+method itself: on the project's VM that is ~6 - 13 us less host time per collective
+(by the host's load), about as much as all of `comm`'s own work
+(`benchmarks/host_overhead.py`), and a host
 that has to stay ahead of the GPU pays it on every collective of every layer.
 
 A plain call: a group of exactly `ProcessGroup` (a subclass written in Python may

@@ -179,8 +179,10 @@ def init_distributed(
         # between): its device and duplicate groups are this world's to decide.
         _state.device = None
         _state.ubatch_groups_done = False
-    if dist.is_initialized() and _state.device is not None:
-        _refuse_contradiction(backend, device, _state.device)
+    if dist.is_initialized():
+        _refuse_other_backend(backend)
+        if _state.device is not None:  # (a world adopted below takes `device` as given)
+            _refuse_other_device(device, backend, _state.device)
     if not dist.is_initialized():
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
@@ -205,27 +207,33 @@ def init_distributed(
     return rank, world_size, _state.device
 
 
-def _refuse_contradiction(
-    backend: str | None, device: torch.device | str | int | None, current: torch.device
-) -> None:
-    """ValueError if a later call asks for another backend or device than the world has:
-    returning the existing world would run it on what it did not ask for."""
-    how = "call comm.destroy_distributed() on every rank first to start another"
+_START_ANOTHER = "call comm.destroy_distributed() on every rank first to start another"
+
+
+def _refuse_other_backend(backend: str | None) -> None:
+    """ValueError if a call on a live world asks for another backend than it has:
+    returning that world would run it on what the call did not ask for."""
     if backend is not None:
         initialized = str(dist.get_backend()).lower()  # "gloo", or "cpu:gloo,cuda:nccl"
         names = {part.rpartition(":")[2] for part in initialized.split(",")}
         if backend.lower() not in names | {initialized}:
             raise ValueError(
                 f"comm.init_distributed(backend={backend!r}): torch.distributed is already "
-                f"initialized with backend {initialized!r}; {how}"
+                f"initialized with backend {initialized!r}; {_START_ANOTHER}"
             )
+
+
+def _refuse_other_device(
+    device: torch.device | str | int | None, backend: str | None, current: torch.device
+) -> None:
+    """ValueError if a later call asks for another device than the first one chose."""
     if device is not None:
         local_rank = current.index if current.type == "cuda" and current.index is not None else 0
         wanted = _resolve_device(device, backend, local_rank)
         if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
             raise ValueError(
                 f"comm.init_distributed(device={device!r}): torch.distributed is already "
-                f"initialized for device {current}; {how}"
+                f"initialized for device {current}; {_START_ANOTHER}"
             )
 
 

@@ -284,9 +284,10 @@ def ubatch_groups(
         `num_ubatches`, stays in step with them.
 
     After this call, `comm`'s collectives on `group` (or on the default group, for
-    `group=None`) run ubatch i's collectives on duplicate `i % num_ubatches` inside an
-    overlap; outside an overlap they keep using `group`. `init_distributed` calls this
-    for the default group.
+    `group=None`) run ubatch i's collectives on duplicate `i % n` inside an overlap, n
+    being the number of duplicates `group` has (the most any call asked for); outside
+    an overlap they keep using `group`. `init_distributed` calls this for the default
+    group.
 
     Args:
         group: the base group; None: the default (world) group.

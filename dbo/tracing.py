@@ -16,7 +16,9 @@ What is recorded (host clocks, `time.perf_counter`):
     host (gloo blocks; NCCL's wait only orders streams and returns at once), i.e.
     communication the overlap did not hide; outside an overlap too (track "caller");
   - "dbo.overlap": each overlapped call on the caller's thread, split and merge
-    included ("dbo.overlap inline" for a call that ran `fn` on the whole batch).
+    included ("dbo.overlap inline" for a call that ran `fn` on the whole batch because
+    of its size or the decision; nested calls, and calls under a mode or a `torch.func`
+    transform without a decision group, run `fn` directly and are not recorded).
 
 A turn minus its waits is host work: when the turns leave few gaps and the waits are
 short, the host is the bottleneck (CPU-bound, or a GPU the host cannot keep fed). GPU

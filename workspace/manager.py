@@ -386,8 +386,9 @@ class WorkspaceManager:
           allocated, so the peak is max(old, new). A failed allocation raises
           `WorkspaceAllocationError` and leaves the manager usable.
         - Lock: after warmup, `lock()` realizes every slot and freezes the capacity; data
-          pointers then never change (CUDA graphs stay valid) and a request that would
-          grow raises `WorkspaceLockedError`.
+          pointers then never change (CUDA graphs stay valid; unless an `out=` of another
+          shape resizes a view past the slot's end, see `get_simultaneous`) and a request
+          that would grow raises `WorkspaceLockedError`.
         - Threads: each ubatch thread touches its own slot; growth is serialized by a
           lock that the fast path (a request seen before) never takes.
     """
@@ -448,7 +449,8 @@ class WorkspaceManager:
               the whole slot to new memory (even when locked). Give `out=` the exact shape.
 
         The slot is `dbo.current_ubatch_id()`: outside an overlap, slot 0.
-        No arguments return `[]`; a zero-size shape returns a valid empty view.
+        No arguments return `[]`; a zero-size shape returns a fresh empty tensor (a view
+        there could be resized over its neighbours by an `out=`).
 
         Raises:
             TypeError / ValueError: a malformed request (nothing changes).

@@ -240,3 +240,12 @@ def test_destroy_distributed_after_torchs_own_teardown_only_forgets(no_torchrun_
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     comm.destroy_distributed()  # raised ValueError: Invalid process group specified
     assert not dist.is_initialized()
+
+
+def test_adopting_a_world_refuses_another_backend_than_its_own(no_torchrun_env: None) -> None:
+    """A world started with torch's own call is adopted by the first init_distributed:
+    that call named no contradiction check, so backend="nccl" returned the gloo world."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(ValueError, match="already initialized with backend 'gloo'"):
+        comm.init_distributed(backend="nccl")
+    assert comm.init_distributed(backend="gloo") == (0, 1, torch.device("cpu"))
