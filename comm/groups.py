@@ -140,7 +140,7 @@ class UBatchGroupRegistry:
         `num_ubatches` groups at every call: right for one call per base group, however
         many base groups share these ranks (a count per ranks alone would merge them).
         """
-        identity = (tuple(ranks), backend, key)
+        identity = (tuple(sorted(set(ranks))), backend, key)  # new_group sorts them too
         counted = key is not None  # without a key, calls cannot be told apart: no count
         with self._lock:
             self._forget_destroyed()
@@ -294,7 +294,10 @@ def ubatch_groups(
         num_ubatches: how many duplicates, in [1, 1024] (the ubatch count you overlap
             with).
         ranks: on a non-member only (required there): the base group's ranks.
-        key: on a non-member: which base group this is, to make repeated calls safe.
+        key: on a non-member: which base group this is, to make repeated calls safe. A
+            key names one group *object*: after the base group is destroyed and created
+            again, use a new key (the non-member cannot see that the members' group is
+            a new one, and would skip the duplicates they create).
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     try:  # on every rank, so that a bad call raises alike on members and non-members
@@ -308,10 +311,26 @@ def ubatch_groups(
                 "given to new_group) so that it can take part in creating the duplicates"
             )
         _registry.create_for_non_member(
-            [int(rank) for rank in ranks], str(dist.get_backend()), num_ubatches, key
+            _checked_non_member_ranks(ranks), str(dist.get_backend()), num_ubatches, key
         )
         return ()
     return _registry.get_or_create(resolve_group(group), num_ubatches)
+
+
+def _checked_non_member_ranks(ranks: Any) -> list[int]:
+    """A non-member's `ranks=`: ranks of this world, without this rank (ValueError
+    before any rendezvous, which would otherwise time out and leave the ranks' later
+    group creations out of step)."""
+    checked = sorted({int(rank) for rank in ranks})
+    me, world_size = dist.get_rank(), dist.get_world_size()
+    if me in checked:
+        raise ValueError(
+            f"ranks={list(ranks)} contains this rank ({me}), which got NON_GROUP_MEMBER: "
+            "pass the ranks of the base group it is not a member of"
+        )
+    if any(not 0 <= rank < world_size for rank in checked):
+        raise ValueError(f"ranks={list(ranks)} must be ranks of the world [0, {world_size})")
+    return checked
 
 
 def destroy_ubatch_groups() -> None:

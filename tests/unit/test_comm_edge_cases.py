@@ -343,3 +343,32 @@ def test_ubatch_groups_refuses_more_duplicates_than_ubatches_can_be(world_of_one
 
     with pytest.raises(ValueError, match="num_ubatches"):
         comm.ubatch_groups(None, MAX_NUM_UBATCHES + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_non_member_naming_itself_in_ranks_is_refused_at_once(world_of_one: None) -> None:
+    """A rank that got NON_GROUP_MEMBER is not in the group: ranks= naming it (or a rank
+    outside the world) is a mistake that failed only after the rendezvous timeout,
+    leaving later group creations out of step."""
+    with pytest.raises(ValueError, match="ranks"):
+        comm.ubatch_groups(dist.GroupMember.NON_GROUP_MEMBER, ranks=[0])
+    with pytest.raises(ValueError, match="ranks"):
+        comm.ubatch_groups(dist.GroupMember.NON_GROUP_MEMBER, ranks=[1, 5])
+
+
+@pytest.mark.timeout(60)
+def test_a_non_members_count_does_not_depend_on_the_order_of_ranks(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`new_group` sorts the ranks: [2, 1] and [1, 2] are one group, and a non-member
+    counting them apart created duplicates its peers did not."""
+    from comm.groups import UBatchGroupRegistry
+
+    registry = UBatchGroupRegistry()
+    created: list[list[int]] = []
+    monkeypatch.setattr(
+        registry, "_new_group", lambda ranks, backend, index, timeout=None: created.append(ranks)
+    )
+    registry.create_for_non_member([2, 1], "gloo", 2, key="ep")
+    registry.create_for_non_member([1, 2], "gloo", 2, key="ep")
+    assert len(created) == 2
