@@ -51,6 +51,9 @@ class _State:
     world: weakref.ref[dist.ProcessGroup] | None = None
     """The default group these answers are about (weakly): a world destroyed and
     initialized again with torch's own calls is a new one, adopted afresh."""
+    worlds_started: int = 0
+    """Worlds this process has initialized over the torchrun store (each rank the same
+    number, as every rank initializes alike): the rendezvous prefix of the next one."""
 
 
 _state = _State()
@@ -282,7 +285,15 @@ def _init_process_group(
     if single:
         options["store"] = dist.HashStore()
     else:
-        options["init_method"] = "env://"  # MASTER_ADDR / MASTER_PORT
+        # MASTER_ADDR / MASTER_PORT, as init_method="env://" would, but under a prefix per
+        # world of this process: torch names a new world's groups "0", "1", ... again,
+        # and torchrun's store outlives a world, so without it a rank initializing
+        # again could read the previous world's rendezvous keys (a peer's closed
+        # address: "Connection refused", or a wait of several timeouts).
+        store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=options["timeout"]))
+        store.set_timeout(options["timeout"])
+        options["store"] = dist.PrefixStore(f"comm.world{_state.worlds_started}", store)
+        _state.worlds_started += 1
     dist.init_process_group(backend, rank=rank, world_size=world_size, **options)
     _state.device = resolved
     _state.ubatch_groups_done = False

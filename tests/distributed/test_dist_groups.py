@@ -5,6 +5,8 @@ Each test reproduces a finding of a review (see its docstring) and guards its fi
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -131,3 +133,27 @@ def _duplicates_with_a_non_member() -> list[int]:
 def test_a_non_member_takes_part_in_creating_a_subgroups_duplicates() -> None:
     values = expect_ok(run_world(_duplicates_with_a_non_member, 2, timeout_s=60))
     assert values == [[1, 1], []]
+
+
+def _initialize_again_skewed() -> list[float]:
+    """Three worlds in a row in one process, as torchrun's ranks see them (clients of
+    one long-lived store), rank 1 always a second behind: torch names the new world's
+    groups "0", "1", ... again, and without a prefix per world their rendezvous keys
+    are the old world's, where a late rank reads a peer's closed address."""
+    start_together()
+    totals = []
+    for _ in range(3):
+        if int(os.environ["RANK"]) == 1:
+            time.sleep(1.0)
+        comm.init_distributed(timeout_s=10)
+        total = torch.ones(1)
+        comm.all_reduce(total)
+        totals.append(float(total.item()))
+        comm.destroy_distributed()
+    return totals
+
+
+@pytest.mark.timeout(120)
+def test_initializing_again_in_one_process_under_a_shared_store() -> None:
+    values = expect_ok(run_world(_initialize_again_skewed, 2, timeout_s=90))
+    assert values == [[2.0, 2.0, 2.0]] * 2
