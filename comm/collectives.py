@@ -519,11 +519,10 @@ def all_to_all_single(
     # above): their bytes are [data_ptr, data_ptr + nbytes).
     if type(output) in _STORAGE_TYPES and type(input) in _STORAGE_TYPES:
         out_start, in_start = output.data_ptr(), input.data_ptr()
-        if (
-            out_start
-            and in_start
-            and out_start < in_start + input.nbytes
-            and in_start < out_start + output.nbytes
+        out_end, in_end = out_start + output.nbytes, in_start + input.nbytes
+        # (An empty tensor has no bytes to share, whatever its pointer says.)
+        if out_start and in_start and out_start < in_end and in_start < out_end and (
+            out_start != out_end and in_start != in_end
         ):
             # Rows would be overwritten before they are sent (torch races the same way).
             raise ValueError(
