@@ -186,6 +186,22 @@ def default_device() -> torch.device:
     return torch.get_default_device()
 
 
+def unreplayed_mode_active() -> bool:
+    """Whether a torch-function mode other than the default device's (which `applied`
+    replays) or a dispatch mode is active in the calling thread (FakeTensorMode, a FLOP
+    counter, `allow_mutation_on_saved_tensors`'s clone-before-mutate). Modes are per
+    thread, and entering one mode object from two threads breaks those that keep
+    per-entry state, so they are not replayed: `dbo.overlap` runs inline under them."""
+    if _dispatch_mode_depth is not None and _dispatch_mode_depth() > 0:
+        return True
+    if _function_mode_depth is None or _function_mode_depth() == 0:
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return not all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
+
+
 class applied:  # noqa: N801 - used like the function-style context managers
     """`with applied(settings):` runs the body with `settings` in the calling (worker)
     thread, and restores what it entered afterwards.

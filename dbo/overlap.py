@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from dbo import _affinity, tracing
+from dbo import _affinity, _thread_settings, tracing
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.runner import (
@@ -291,7 +291,7 @@ def overlap(
         # which ubatch threads do not see; so do torch-function and dispatch modes.
         # With a decision group this rank still votes (for inline): a mode on some
         # ranks only (a FLOP counter on rank 0) must send every rank inline.
-        must_inline = _under_functorch_transform() or _under_torch_mode()
+        must_inline = _under_functorch_transform() or _thread_settings.unreplayed_mode_active()
         if must_inline and decision_group is None:
             return inline(args, kwargs)
         recording = tracing._active
@@ -417,25 +417,6 @@ def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
     need not agree, and the tokens are the largest."""
     return max((int(leaf.size(0)) for _, leaf in leaves), default=None)
 
-
-_function_mode_depth = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
-_dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-
-
-def _under_torch_mode() -> bool:
-    """Whether a torch-function mode (other than the default device's, which workers
-    replay) or a dispatch mode is active in this thread (FakeTensorMode, a FLOP counter,
-    `allow_mutation_on_saved_tensors`'s clone-before-mutate). Modes are per thread, and
-    entering one mode object from two threads breaks those that keep per-entry state,
-    so they are not replayed: the call runs inline, under them."""
-    if _dispatch_mode_depth() > 0:
-        return True
-    if _function_mode_depth() == 0:
-        return False
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    return not all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 def _under_functorch_transform() -> bool:
