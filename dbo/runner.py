@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from dbo import _affinity, _thread_settings
 from dbo._checks import check_num_ubatches
@@ -686,13 +687,9 @@ def _first_tensor_device(inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]) -
     A CPU scalar or index tensor placed before the CUDA batch must not select the CPU
     backend: the ubatches would then share the thread's default stream.
     """
-    from dbo._pytree import flatten
-
-    for args, kwargs in inputs:
-        for tree in (args, kwargs):
-            for leaf in flatten(tree)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-                    return leaf.device
+    for leaf in tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            return leaf.device
     return torch.device("cpu")
 
 
