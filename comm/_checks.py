@@ -1,8 +1,7 @@
 """Argument checks shared by the collectives and MoE dispatch/combine.
 
-Every check here runs on the host, on metadata only (shapes, dtypes, devices, split
-lists), before anything is launched: a bad call raises on the rank that made it and no
-collective is left half-matched on the others. Errors say what was passed and the fix.
+Host-side checks on metadata (shapes, dtypes, devices, split lists), run before anything
+is launched; errors say what was passed and the fix.
 """
 
 from __future__ import annotations
@@ -23,31 +22,26 @@ NOT_INITIALIZED_MESSAGE = (
 
 
 class GroupFacts(NamedTuple):
-    """What the checks and the launch ask of a process group on every call; fixed for
-    the group's life, so read once (each query is a call into C++)."""
+    """What every collective asks of its process group, read once per group."""
 
     size: int
     """`group.size()`."""
     is_nccl: bool
-    """Whether `group.name()` is nccl, as it is for a group created with backend
-    "cpu:gloo,cuda:nccl" too (the checks then refuse CPU tensors on it before
-    launching)."""
+    """Whether `group.name()` is nccl (also for backend "cpu:gloo,cuda:nccl")."""
 
 
 _known: dict[int, tuple[weakref.ref[dist.ProcessGroup], GroupFacts]] = {}
-"""id(group) -> (weak reference to the group, its facts), for groups this rank was
-found to be a member of (membership never changes; whether the group still exists
-does: `_still_registered`). Weak, so that a destroyed group is not kept alive (its
-sockets and threads go with it); the reference also tells a reused id from the group."""
+"""id(group) -> (weak reference to the group, its facts), for groups this rank is a member
+of. Weak, so that a destroyed group is not kept alive; the reference also tells a reused
+id from the group."""
 
 _DIST_AVAILABLE = dist.is_available()
 _GroupMember = dist.GroupMember if _DIST_AVAILABLE else None
 
 
 def _still_registered(group: dist.ProcessGroup) -> bool:
-    """Whether `group` belongs to the current world and was not destroyed: a lookup in
-    torch.distributed's registry of groups (if this torch has none where expected,
-    False: the full checks run every time)."""
+    """Whether `group` belongs to the current world and is not destroyed (False where
+    this torch keeps its registry elsewhere: then the full checks run every time)."""
     world = getattr(dist.distributed_c10d, "_world", None)
     registered = getattr(world, "pg_group_ranks", None)
     return registered is not None and group in registered
@@ -63,13 +57,8 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
 
 
 def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
-    """`resolve_group(group)` and that group's `GroupFacts`.
-
-    The fast path, one dict lookup, serves every collective after a group's first: the
-    default group of an initialized world (None; `GroupMember.WORLD` is replaced when
-    the world is destroyed or initialized again), or a group this rank was already found
-    to be a member of and that is still registered.
-    """
+    """`resolve_group(group)` and that group's `GroupFacts`; after a group's first call,
+    one dict lookup (and a registry check for a group other than the default)."""
     key = _GroupMember.WORLD if group is None and _GroupMember is not None else group
     entry = _known.get(id(key))
     if entry is not None:
@@ -83,7 +72,7 @@ def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
 
 
 def _forget(key: int) -> Any:
-    """The callback that drops a dead group's entry (unless the id was reused since)."""
+    """The callback that drops a dead group's entry (unless the id is reused since)."""
 
     def forget(reference: weakref.ref[dist.ProcessGroup]) -> None:
         entry = _known.get(key)
@@ -142,7 +131,7 @@ def require_same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tens
 
 def require_contiguous(name: str, tensor: torch.Tensor, any_memory_format: bool = False) -> None:
     """Dense and without gaps: row-major, or with `any_memory_format` (an element-wise
-    collective) also channels_last (4-D, 5-D), which torch's process groups accept."""
+    collective) also channels_last (4-D, 5-D)."""
     if tensor.layout is not torch.strided:  # sparse: "contiguous" does not apply
         raise TypeError(
             f"{name} is a {tensor.layout} tensor; comm's collectives take dense (strided) "
@@ -179,9 +168,8 @@ def require_backend_device(group: dist.ProcessGroup, name: str, tensor: torch.Te
 
 
 def require_reduce_op(op: Any, dtype: torch.dtype, is_nccl: bool) -> None:
-    """A ReduceOp the backend can apply to `dtype`. An average of integers: NCCL computes
-    one (a sum divided in the integer type), gloo cannot write it back (it writes the
-    sum into the tensor, then fails to cast the average); of bools, neither."""
+    """A ReduceOp the backend can apply to `dtype`: NCCL averages integers, gloo would
+    write the sum into the tensor and then fail; bools average nowhere."""
     if not isinstance(op, (dist.ReduceOp, dist.ReduceOp.RedOpType)):
         raise TypeError(f"op must be a torch.distributed.ReduceOp, got {op!r}")
     integral = not (dtype.is_floating_point or dtype.is_complex)
@@ -201,12 +189,9 @@ def check_split_sizes(
     tensor: torch.Tensor,
     world_size: int,
 ) -> list[int] | None:
-    """Validate one side's split sizes of `all_to_all_single`; return them as a list.
-
-    `split_sizes[r]` rows of `tensor` go to (or come from) rank r: one entry per rank,
-    each >= 0, summing to `tensor.shape[0]`. None means equal splits, which needs
-    `tensor.shape[0]` divisible by `world_size`.
-    """
+    """One side's split sizes of `all_to_all_single` as a list: one int >= 0 per rank,
+    summing to `tensor.shape[0]`; None (equal splits) needs dim 0 divisible by
+    `world_size`."""
     dim0 = int(tensor.shape[0])
     if split_sizes is None:
         if dim0 % world_size != 0:
@@ -237,3 +222,122 @@ def check_split_sizes(
             f"the sizes must add up to {tensor_name}.shape[0]"
         )
     return sizes
+
+
+_STORAGE_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose `data_ptr()` is their own storage's (the aliasing check)."""
+
+
+def check_pair(
+    output: Any, input: Any, group: dist.ProcessGroup, facts: GroupFacts
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # The common case in a few attribute reads (this runs on every collective); anything
+    # else goes through the checks below, which say what is wrong.
+    try:
+        if (
+            isinstance(output, torch.Tensor)
+            and isinstance(input, torch.Tensor)
+            and output.dtype is input.dtype
+            and ((output.is_cpu and input.is_cpu) or output.device == input.device)
+            and output.is_contiguous()
+            and input.is_contiguous()
+            and (input.is_cuda or not facts.is_nccl)
+        ):
+            return output, input
+    except RuntimeError:  # a layout without strides (sparse CSR) refuses is_contiguous()
+        pass
+    output = require_tensor("output", output)
+    input = require_tensor("input", input)
+    require_same_dtype("output", output, "input", input)
+    require_same_device("output", output, "input", input)
+    require_contiguous("output", output)
+    require_contiguous("input", input)
+    require_backend_device(group, "input", input)
+    return output, input
+
+
+def check_rows(output: torch.Tensor, input: torch.Tensor) -> None:
+    """`all_to_all_single` moves rows: both tensors need a dim 0 and one row shape."""
+    if output.ndim == 0 or input.ndim == 0:
+        raise ValueError(
+            "all_to_all_single needs tensors with a dim 0 (not 0-dim), got shapes "
+            f"{tuple(output.shape)} (output) and {tuple(input.shape)} (input)"
+        )
+    if output.shape[1:] != input.shape[1:]:
+        raise ValueError(
+            f"output and input must have the same row shape (all dims but 0), got "
+            f"{tuple(output.shape)} and {tuple(input.shape)}"
+        )
+
+
+def check_no_shared_bytes(output: torch.Tensor, input: torch.Tensor) -> None:
+    """ValueError if `output` and `input` (both contiguous) share a byte: received rows
+    would overwrite rows not yet sent. Tensors without storage of their own (other
+    subclasses, meta: `data_ptr()` 0) and empty ones are left alone."""
+    if type(output) not in _STORAGE_TYPES or type(input) not in _STORAGE_TYPES:
+        return
+    out_start, in_start = output.data_ptr(), input.data_ptr()
+    out_end, in_end = out_start + output.nbytes, in_start + input.nbytes
+    if (
+        out_start and in_start and out_start != out_end and in_start != in_end
+        and out_start < in_end and in_start < out_end
+    ):
+        raise ValueError(
+            "all_to_all_single: output and input share memory; the rows received would "
+            "overwrite rows not yet sent. Use a separate output (torch.empty_like(input))"
+        )
+
+
+def require_world_chunks(
+    op: str,
+    whole_name: str,
+    whole: torch.Tensor,
+    chunk_name: str,
+    chunk: torch.Tensor,
+    group: dist.ProcessGroup,
+    world_size: int,
+) -> None:
+    """`whole` must hold one `chunk` per rank (all-gather output, reduce-scatter input).
+    NCCL checks only the element counts; every other backend gets only the concatenation
+    along dim 0, [world_size * chunk.shape[0], *chunk.shape[1:]] (gloo rejects the rest
+    inside the launch, and crashes on a 0-dim reduce-scatter output)."""
+    if whole.numel() != world_size * chunk.numel():
+        raise ValueError(
+            f"{whole_name} must hold world_size * {chunk_name}.numel() = {world_size} * "
+            f"{chunk.numel()} = {world_size * chunk.numel()} elements, got shape "
+            f"{tuple(whole.shape)} ({whole.numel()} elements)"
+        )
+    if runs_on_nccl(group, chunk):
+        return
+    whole_shape, chunk_shape = whole.shape, chunk.shape
+    if (
+        chunk_shape
+        and len(whole_shape) == len(chunk_shape)
+        and whole_shape[0] == world_size * chunk_shape[0]
+        and whole_shape[1:] == chunk_shape[1:]
+    ):
+        return
+    if chunk_shape:
+        accepted = (world_size * chunk_shape[0], *chunk_shape[1:])
+        fix = f"pass {whole_name}.view({', '.join(map(str, accepted))}) (the same memory)"
+    else:
+        fix = f"pass {chunk_name}.view(1) and {whole_name}.view({world_size})"
+    raise ValueError(
+        f"{op} on a {group.name()} group takes only {whole_name} of shape "
+        f"[world_size * {chunk_name}.shape[0], *{chunk_name}.shape[1:]] (the concatenation "
+        f"along dim 0; {chunk_name} needs at least one dim); got {whole_name} "
+        f"{tuple(whole_shape)} for {chunk_name} {tuple(chunk_shape)} with world_size "
+        f"{world_size}. Other layouts with that many elements are NCCL's only; {fix}"
+    )
+
+
+def runs_on_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether NCCL runs `group`'s collectives on `tensor` (CUDA tensors on a group whose
+    backend is nccl, also "cpu:gloo,cuda:nccl")."""
+    return tensor.is_cuda and backend_is_nccl(group)
+
+
+def check_async_op(async_op: Any) -> bool:
+    if async_op is False or async_op is True:
+        return async_op
+    raise TypeError(f"async_op must be a bool, got {async_op!r}")

@@ -1,26 +1,16 @@
 """Launching a checked collective on a process group.
 
-torch.distributed's functions (`dist.all_reduce`, ...) check their arguments, hand
-tensor subclasses to `__torch_function__`, view complex tensors as real, record the
-call inside a `dist._coalescing_manager` instead of launching it, and then call one
-method of the process group. `comm` has already checked the arguments by the time it
-launches (with errors that name the bad value), so for a plain call it calls that
-method itself: on the project's VM that is ~6 - 13 us less host time per collective
-(by the host's load), about as much as all of `comm`'s own work
-(`benchmarks/host_overhead.py`), and a host
-that has to stay ahead of the GPU pays it on every collective of every layer.
+torch.distributed's functions (`dist.all_reduce`, ...) check their arguments, dispatch
+`__torch_function__`, view complex tensors as real, record the call inside a
+`dist._coalescing_manager`, and then call one method of the process group. `comm` has
+already checked the arguments, so for a plain call it calls that method itself, which
+saves host time on every collective (`benchmarks/host_overhead.py`).
 
-A plain call: a group of exactly `ProcessGroup` (a subclass written in Python may
-override the method torch's function calls), tensors with no `__torch_function__` to
-honour (no subclass that defines one and no active `TorchFunctionMode`, which is how
-non-strict `torch.export` sees collectives; `with torch.device(...)` is such a mode
-too), none complex, a group that is not coalescing, and no `torch.compile` tracing
-(Dynamo turns torch.distributed's functions into traceable functional collectives; a
-process-group method would break the graph). Anything else goes through
-torch.distributed's function, which knows what to do with it. Both paths pass the same
-options (`asyncOp` where this torch's options type has it) and, for a blocking call,
-wait the same way. One difference remains: a failure on the direct path is not written
-to torch.distributed's exception log (`c10d_logger`); it is raised all the same.
+A plain call: a group of exactly `ProcessGroup`, tensors with no `__torch_function__` to
+honour (no such subclass, no active `TorchFunctionMode`), none complex, a group that is
+not coalescing, and no `torch.compile` tracing. Anything else goes through
+torch.distributed's function. Both paths pass the same options and wait the same way; a
+failure on the direct path is raised but not written to torch's `c10d_logger`.
 """
 
 from __future__ import annotations
@@ -36,8 +26,7 @@ _ProcessGroup = dist.ProcessGroup
 
 
 def _method(*names: str) -> Any:
-    """The first of `names` that this torch's ProcessGroup has (newest name first, as
-    torch.distributed's own function calls it), or None: then always torch's path."""
+    """The first of `names` this torch's ProcessGroup has (newest first), or None."""
     for name in names:
         method = getattr(_ProcessGroup, name, None)
         if method is not None:
@@ -56,7 +45,7 @@ class _Direct(NamedTuple):
     """Whether those options have `asyncOp` (newer torch)."""
     plain_options: tuple[Any, Any]
     """The options without a reduce op, for a blocking and an async launch (index
-    `async_op`): built once, as setting their fields costs more than a lookup."""
+    `async_op`), built once."""
 
 
 def _new_options(
@@ -91,13 +80,10 @@ _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda
 
 
 def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) -> bool:
-    """Whether `torch.distributed`'s function would call `group`'s method with these
-    tensors as they are. `first` and `second` have one dtype (the callers checked), so
-    one of them tells whether they are complex. One function, no helpers: it runs on
-    every collective."""
+    """Whether torch.distributed's function would call `group`'s method with these
+    tensors as they are (`first` and `second` have one dtype)."""
     try:
-        # Read at each call (torch's test backends replace the module's `_world`); a
-        # torch that does not say takes torch's path.
+        # Read at each call (torch's test backends replace `_world`); unknown: torch's path.
         coalescing = _c10d._world.pg_coalesce_state
     except AttributeError:
         return False
@@ -111,23 +97,18 @@ def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) 
 
 
 _options_cache: dict[tuple[type, bool, int], tuple[Any, Any]] = {}
-"""(options type, async_op, id of the reduce op) -> (reduce op, options). Building options
-and setting their fields costs ~0.5 us a call, more than the lookup; the op is keyed by
-identity, as hashing one costs more still. The entry holds its op, so that id cannot be
-reused while it is cached. Sharing is safe: the process-group methods take the options
-by const reference and only read them (with the GIL released, from any thread)."""
-
+"""(options type, async_op, id of the reduce op) -> (reduce op, options). The entry holds
+its op, so that the id is not reused while cached. Sharing is safe: the process-group
+methods only read their options."""
 
 _MAX_CACHED_OPTIONS = 64
-"""The cache's bound: an op made afresh per call (`ReduceOp.RedOpType(2)`, an op that
-was unpickled) is a new object, so a new key, every time; at the bound the cache starts
-over (a full cache of such one-shot ops would otherwise refuse the ops in use)."""
+"""At this many entries the cache starts over (an op made afresh per call is a new key
+each time)."""
 
 
 def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
-    """The options for a launch of a reducing `direct` (the others use its
-    `plain_options`). `reduce_op`: a `ReduceOp.RedOpType` (an enum value: cached) or a
-    `ReduceOp` (it may carry a scalar: built each time)."""
+    """The options for a reducing launch: cached for a `ReduceOp.RedOpType`, built each
+    time for a `ReduceOp` object (it may carry a scalar)."""
     key = (direct.options_type, async_op, id(reduce_op))
     cached = _options_cache.get(key)
     if cached is not None and cached[0] is reduce_op:
@@ -141,7 +122,7 @@ def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
 
 
 def _waited(work: Any) -> None:
-    """A blocking call's end, as torch.distributed's function does it: wait, return None."""
+    """A blocking call's end, as torch.distributed's function does it."""
     if work is not None:  # a backend that synchronized in C++ returns None
         work.wait()
 

@@ -4,10 +4,9 @@
     torchrun --nnodes 2 --node-rank 0 --master-addr HOST \\
              --master-port 29500 --nproc-per-node 8 script.py    # on each node (its rank)
 
-`init_distributed()` reads the environment `torchrun` sets (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR, MASTER_PORT), picks NCCL for CUDA devices and gloo otherwise,
-binds the process to its GPU, and creates the per-ubatch duplicate groups of the default
-group (see `comm.groups`). Nothing happens at import.
+`init_distributed()` reads the environment `torchrun` sets, picks NCCL for CUDA devices
+and gloo otherwise, binds the process to its GPU, and creates the per-ubatch duplicate
+groups of the default group (`comm.groups`).
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ DEFAULT_TIMEOUT_S = 300.0
 """How long a collective may wait for its peers before it raises (seconds)."""
 
 MAX_TIMEOUT_S = 1e8
-"""The longest timeout accepted (over 3 years): torch converts it to integer
-milliseconds, and far larger values overflow inside torch.distributed."""
+"""The longest timeout accepted: far larger values overflow inside torch.distributed."""
 
 TORCHRUN_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What `torchrun` sets for each process and `init_distributed` reads."""
@@ -49,19 +47,18 @@ class _State:
     device: torch.device | None = None
     ubatch_groups_done: bool = False
     world: weakref.ref[dist.ProcessGroup] | None = None
-    """The default group these answers are about (weakly): a world destroyed and
-    initialized again with torch's own calls is a new one, adopted afresh."""
+    """The default group these answers are about (weakly; a world started again with
+    torch's own calls is adopted afresh)."""
     worlds_started: int = 0
-    """Worlds this process has initialized over the torchrun store (each rank the same
-    number, as every rank initializes alike): the rendezvous prefix of the next one."""
+    """Worlds this process has initialized over the torchrun store: the rendezvous
+    prefix of the next one."""
 
 
 _state = _State()
 
 
 def _torchrun_hint(missing: list[str]) -> str:
-    # As typed (examples/moe_overlap.py from the repository root), not its base name:
-    # the command is meant to be pasted where the program was started.
+    # As typed, not its base name: the command is pasted where the program started.
     script = sys.argv[0] if sys.argv and sys.argv[0] else "your_script.py"
     return (
         f"comm.init_distributed() needs the environment that torchrun sets; missing: "
@@ -83,8 +80,8 @@ def _env_int(name: str) -> int:
 
 
 def _ranks_from_env(single: bool) -> tuple[int, int, int]:
-    """(RANK, WORLD_SIZE, LOCAL_RANK), checked against each other. A single process takes
-    (0, 1, 0) for what its environment leaves out (it may still say WORLD_SIZE=1)."""
+    """(RANK, WORLD_SIZE, LOCAL_RANK), checked against each other; a single process takes
+    (0, 1, 0) for what its environment leaves out."""
     defaults = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
     rank, world_size, local_rank = (
         _env_int(name) if name in os.environ or not single else default
@@ -130,28 +127,22 @@ def init_distributed(
         device: this process's device; None: `cuda:LOCAL_RANK` when CUDA is available
             (and the backend is not gloo), else CPU. A CUDA device becomes the current
             device (`torch.cuda.set_device`).
-        timeout_s: how long a collective waits for its peers before raising; this is what
-            turns a peer that died or diverged into an error instead of a hang. In a
-            world initialized elsewhere and adopted here, it applies to the per-ubatch
-            groups created here only: the default group keeps the timeout it was
-            created with (collectives outside an overlap, `comm.moe`'s backward).
+        timeout_s: how long a collective waits for its peers before raising (a dead or
+            diverged peer becomes an error, not a hang). In a world initialized
+            elsewhere it applies only to the per-ubatch groups created here.
         allow_single_process: without the torchrun environment, initialize a world of one
-            process (rank 0, an in-process store: no port, no network) instead of raising.
-        num_ubatch_groups: per-ubatch duplicates of the default group to create (a
-            collective, done here so it happens on every rank at the same point; see
-            `comm.ubatch_groups`); 0 creates none. Not created for a world of one.
+            process (rank 0, an in-process store) instead of raising.
+        num_ubatch_groups: per-ubatch duplicates of the default group to create
+            (`comm.ubatch_groups`); 0 creates none, nor does a world of one.
 
-    Idempotent: once torch.distributed is initialized, later calls only return the same
-    triple (a world initialized elsewhere is adopted; its duplicate groups are created by
-    the first call here, which must then be made on every rank). A later call naming
-    another backend or device raises ValueError; its `timeout_s` and
-    `num_ubatch_groups` are not applied (`comm.destroy_distributed()` first to change
-    them).
+    Idempotent: once torch.distributed is initialized, later calls return the same
+    triple (a world initialized elsewhere is adopted; its duplicates are created by the
+    first call here, on every rank). A later call naming another backend or device
+    raises ValueError; its `timeout_s` and `num_ubatch_groups` are not applied.
 
     Raises `TorchrunEnvironmentError` (a RuntimeError) showing the torchrun command when
     the environment is missing or partial, ValueError for contradictory arguments or
-    environment values (RANK outside [0, WORLD_SIZE), ...), RuntimeError when called
-    inside an overlap.
+    environment values, RuntimeError inside an overlap.
     """
     if dbo.enabled():
         raise RuntimeError(
@@ -178,8 +169,7 @@ def init_distributed(
     if dist.is_initialized() and (
         _state.world is None or _state.world() is not dist.GroupMember.WORLD
     ):
-        # Not the world these answers are about (torch's own destroy and init ran in
-        # between): its device and duplicate groups are this world's to decide.
+        # A world started with torch's own calls since: decide its device and groups.
         _state.device = None
         _state.ubatch_groups_done = False
     if dist.is_initialized():
@@ -190,9 +180,8 @@ def init_distributed(
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
         group_registry().timeout_s = float(timeout_s)
     elif _state.device is None:
-        # A world initialized elsewhere: adopt it, but give the per-ubatch duplicates
-        # (which carry every collective made inside an overlap) this call's timeout, and
-        # make the device current as a fresh initialization would.
+        # A world initialized elsewhere: adopt it, with this call's timeout for the
+        # duplicates and the device made current.
         _state.device = _resolve_device(
             device, str(dist.get_backend()), int(os.environ.get("LOCAL_RANK", "0"))
         )
@@ -214,8 +203,7 @@ _START_ANOTHER = "call comm.destroy_distributed() on every rank first to start a
 
 
 def _refuse_other_backend(backend: str | None) -> None:
-    """ValueError if a call on a live world asks for another backend than it has:
-    returning that world would run it on what the call did not ask for."""
+    """ValueError if a call on a live world asks for another backend than it has."""
     if backend is not None:
         initialized = str(dist.get_backend()).lower()  # "gloo", or "cpu:gloo,cuda:nccl"
         names = {part.rpartition(":")[2] for part in initialized.split(",")}
@@ -247,12 +235,8 @@ def _init_process_group(
     allow_single_process: bool,
 ) -> None:
     missing = [name for name in TORCHRUN_ENV_VARS if name not in os.environ]
-    # A single rank unless the environment says there are several: WORLD_SIZE other
-    # than 1 or, without WORLD_SIZE, a RANK or a LOCAL_RANK other than 0. Such a partial
-    # environment is a launch mistake, and running it as rank 0 of 1 would silently
-    # compute the wrong thing. MASTER_ADDR/MASTER_PORT alone (a batch script's exports)
-    # or LOCAL_RANK=0 say nothing of the world: a single process may run (its RANK and
-    # LOCAL_RANK, if set, are checked against WORLD_SIZE=1 below).
+    # A partial environment that says there are several ranks (WORLD_SIZE != 1, or a
+    # RANK or LOCAL_RANK != 0 without it) is a launch mistake, never a world of one.
     environ = os.environ
     if "WORLD_SIZE" in environ:
         several = environ["WORLD_SIZE"] != "1"
@@ -285,11 +269,8 @@ def _init_process_group(
     if single:
         options["store"] = dist.HashStore()
     else:
-        # MASTER_ADDR / MASTER_PORT, as init_method="env://" would, but under a prefix per
-        # world of this process: torch names a new world's groups "0", "1", ... again,
-        # and torchrun's store outlives a world, so without it a rank initializing
-        # again could read the previous world's rendezvous keys (a peer's closed
-        # address: "Connection refused", or a wait of several timeouts).
+        # env://, under a prefix per world of this process: torchrun's store outlives a
+        # world, and a new world's group names would read the old world's keys.
         store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=options["timeout"]))
         store.set_timeout(options["timeout"])
         options["store"] = dist.PrefixStore(f"comm.world{_state.worlds_started}", store)
@@ -300,10 +281,8 @@ def _init_process_group(
 
 
 def destroy_distributed() -> None:
-    """Destroy the per-ubatch groups and the default group. Idempotent.
-
-    Call it on every rank at the end (and before initializing again in one process).
-    """
+    """Settle abandoned collectives, destroy the per-ubatch groups and the default
+    group. Idempotent; call it on every rank at the end (and before initializing again)."""
     if dbo.enabled():
         raise RuntimeError("comm.destroy_distributed() was called inside dbo.overlap")
     _abandoned.settle()  # collectives an aborted ubatch left in flight end first

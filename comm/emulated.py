@@ -50,8 +50,7 @@ class TransferHandle:
         if self._event is not None:
             stream = torch.cuda.current_stream(self._delivered.device)
             stream.wait_event(self._event)
-            # Allocated on the transfer's stream, read from now on on this one: keep the
-            # caching allocator from handing the memory back to the transfer's stream early.
+            # Read on this stream from now on: keep the allocator from reusing it early.
             self._delivered.record_stream(stream)
             return self._delivered
         remaining = self._done_at - time.perf_counter()
@@ -109,13 +108,9 @@ class EmulatedLink:
             return TransferHandle(tensor, self._free_at)
 
     def calibrate(self, device: torch.device | str | int = "cuda") -> None:
-        """Measure the CUDA sleep kernel's clock now (it synchronizes the device).
-
-        Otherwise the first CUDA transfer does it, inside whatever overlap runs it, with
-        a host sync while its ubatch holds the baton. Links without latency or bandwidth
-        never calibrate. The calibration assumes the GPU clock stays where it was: on GPUs
-        whose clock boosts under load, calibrate after a warmup.
-        """
+        """Measure the CUDA sleep kernel's clock now (it synchronizes the device);
+        otherwise the first CUDA transfer does it, inside its overlap. On GPUs whose
+        clock boosts under load, calibrate after a warmup."""
         self._cycles_per_second(torch.device(device))
 
     def _transfer_cuda(self, tensor: torch.Tensor, duration: float) -> TransferHandle:
@@ -148,8 +143,8 @@ class EmulatedLink:
 
 
 def _number(name: str, value: Any) -> float:
-    """`value` as a float: ints, floats, numpy scalars, 0-dim tensors; not bools (True
-    would be 1 second, or 1 byte/s) nor strings."""
+    """`value` as a float (ints, floats, numpy scalars, 0-dim tensors); not bools nor
+    strings."""
     if isinstance(value, (bool, str, bytes)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     try:

@@ -1,46 +1,21 @@
 """Per-ubatch duplicate process groups, so two ubatches' collectives can be in flight at once.
 
-Why: one torch.distributed process group runs its collectives (mostly) one after another,
-and on gloo a second collective queued behind a first one delays it. Measured here (2
-gloo ranks on loopback, `benchmarks/comm_overlap.py`): with two all-to-alls in flight on
-the *same* group, the first one completed 2-5x later than when it ran alone; on two
-groups (one each) the first completed about as early as alone and both finished no later
-than one after the other. In the layer loop, DBO on one shared group was slower than on
-per-ubatch groups in most configurations. Forcing one-at-a-time order on per-ubatch groups
-(wait for the other ubatch's collective before launching) measured no better, so the
-collectives do not serialize. NCCL is the same by construction: a communicator runs its
-collectives in order on one internal CUDA stream per device, so on one group ubatch 1's
-all-to-all queues behind ubatch 0's; a duplicate communicator per ubatch gets its own
-stream. With one duplicate group per ubatch, ubatch i's collectives go to group i and
-the two ubatches' transfers proceed independently (`comm.collectives` does this by
-default inside an overlap, for every base group that has duplicates).
+A process group runs its collectives in order (gloo queues a second one behind the
+first; an NCCL communicator runs them on one internal stream), so inside an overlap
+ubatch i's collectives go to duplicate `i % n` of their base group, and the ubatches'
+transfers proceed independently (`benchmarks/comm_overlap.py` measures both).
 
-Why the order is still safe: every rank launches collectives in the order the dbo baton
-gives the ubatches, which is the same on every rank (ubatch 0 runs until its first yield
-point, then ubatch 1, ... in a fixed ring; the points depend on the program, never on
-timing). So on every group the sequence of collectives is identical on all ranks, which
-is all torch.distributed (gloo tags, NCCL communicators) needs to match them. On NCCL,
-kernels of two communicators on one GPU may then run concurrently; both progress because
-each uses a few SMs, and they were enqueued in the same order on every rank (NCCL's
-condition for using several communicators at once). This holds as long as every rank
-runs the same program with the same number of ubatches: `dbo.overlap` runs `fn` inline
-(one ubatch, base group) when a rank's batch has fewer rows than `num_ubatches` or
-`min_batch_size`, so a rank with few or no tokens must not take that path while the
-others overlap: pass `decision_group=` to `dbo.overlap` (all ranks then decide on the
-smallest batch), give every rank the same batch size, or run the ubatches with a
-`dbo.UBatchRunner`, which always runs every ubatch, empty ones included.
+The order stays matched across ranks: every rank launches in the order the baton gives
+the ubatches, which depends only on the program, so each group sees the same sequence of
+collectives on every rank. That needs the same number of ubatches on every rank:
+`dbo.overlap` runs `fn` inline on the base group when a rank's batch is too small, so
+pass `decision_group=`, give every rank the same batch size, or use a `dbo.UBatchRunner`.
 
-The creation rule: `torch.distributed.new_group` is itself a collective over the world.
-Every rank of the world must call `ubatch_groups(group, n)` the same number of times, in
-the same order relative to its other group creations, outside any overlap (a non-member
-passes `ranks=`, and `key=` if it may call more than once for one base group); it
-creates only the duplicates a group does not have yet, so repeating a call is harmless
-on members, and on non-members that pass `key=`. `init_distributed` does it for the
-default group at start-up. Creating groups lazily from one ubatch thread could
-interleave differently with the other ubatch's collectives on different ranks, so
-inside an overlap `ubatch_groups` only returns groups that already exist and raises
-otherwise, and the collectives never create groups: without duplicates they fall back
-to the base group (correct, just serialized).
+Creating a group is a collective over the world: every rank calls `ubatch_groups` the
+same number of times, in the same order, outside any overlap (`init_distributed` does it
+for the default group). Inside an overlap it only returns existing groups, and the
+collectives never create any: without duplicates they use the base group (correct,
+serialized).
 """
 
 from __future__ import annotations
@@ -62,12 +37,9 @@ from dbo._checks import check_num_ubatches
 class UBatchGroupRegistry:
     """The duplicate groups created so far, per base group (one per process).
 
-    `timeout_s` (set by `init_distributed`; None: the torch.distributed default) is the
-    timeout of the default group's duplicates, which carry every collective made inside
-    an overlap without a group: what `init_distributed(timeout_s=...)` promises, even in
-    a world initialized elsewhere with another timeout. A subgroup's duplicates get the
-    subgroup's own timeout (`timeout_s` where it cannot be read), so that a collective
-    times out inside an overlap when the same call outside would.
+    `timeout_s` (set by `init_distributed`; None: torch's default) is the timeout of the
+    default group's duplicates, also in a world initialized elsewhere. A subgroup's
+    duplicates get the subgroup's own timeout (`timeout_s` where it cannot be read).
     """
 
     def __init__(self) -> None:
@@ -75,20 +47,15 @@ class UBatchGroupRegistry:
         self._duplicates: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
         self._is_duplicate: set[dist.ProcessGroup] = set()
         self._created_as_non_member: dict[tuple[tuple[int, ...], str, Hashable], int] = {}
-        """How many duplicates this rank helped create for a base group it is not a member
-        of, per (ranks, backend, key): the member ranks' `_duplicates[base]` count, which a
-        non-member (it has no group object) keeps by what identifies the base group; only
-        calls with a `key` are counted."""
+        """Duplicates this rank helped create as a non-member, per (ranks, backend, key):
+        the count the members keep per group object (calls with a `key` only)."""
         self.timeout_s: float | None = None
         self._world: weakref.ref[dist.ProcessGroup] | None = None
         """The default group the non-member counts are about (weakly)."""
 
     def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
-        """The group ubatch `ubatch_id` uses for `base`: its duplicate, else `base` itself.
-
-        With fewer duplicates than ubatches, ubatch i uses duplicate `i % n` (ubatches that
-        share a group are serialized on it, still in the same order on every rank).
-        """
+        """The group ubatch `ubatch_id` uses for `base`: duplicate `ubatch_id % n`, else
+        `base` itself."""
         duplicates = self._duplicates.get(base)
         if not duplicates:
             return base
@@ -106,14 +73,7 @@ class UBatchGroupRegistry:
             self._forget_destroyed()
             existing = self._duplicates.setdefault(base, [])
             if len(existing) < num_ubatches:
-                if dbo.enabled():
-                    raise RuntimeError(
-                        f"comm.ubatch_groups(group, {num_ubatches}) would create "
-                        f"{num_ubatches - len(existing)} process group(s) inside an overlap; "
-                        "creating a group is a collective that every rank must call in the "
-                        "same order, so call comm.ubatch_groups on every rank outside "
-                        "dbo.overlap (e.g. right after comm.init_distributed)"
-                    )
+                _refuse_inside_overlap(num_ubatches - len(existing))
                 ranks = dist.get_process_group_ranks(base)
                 backend = str(dist.get_backend(base))
                 timeout = self._timeout_for(base)
@@ -131,15 +91,9 @@ class UBatchGroupRegistry:
     def create_for_non_member(
         self, ranks: list[int], backend: str, num_ubatches: int, key: Hashable = None
     ) -> None:
-        """The part of the collective group creation a rank outside the base group does.
-
-        With a `key`, it mirrors `get_or_create` on the members: only the duplicates not
-        created yet for the base group identified by `(ranks, backend, key)` (a
-        non-member has no group object), so that every rank of the world calls
-        `new_group` equally often however often it is called. Without one, it creates
-        `num_ubatches` groups at every call: right for one call per base group, however
-        many base groups share these ranks (a count per ranks alone would merge them).
-        """
+        """A non-member's part of creating a base group's duplicates: with a `key`, only
+        those not created yet for `(ranks, backend, key)`, as the members count them;
+        without one, `num_ubatches` groups at every call (one call per base group)."""
         identity = (tuple(sorted(set(ranks))), backend, key)  # new_group sorts them too
         counted = key is not None  # without a key, calls cannot be told apart: no count
         with self._lock:
@@ -147,13 +101,7 @@ class UBatchGroupRegistry:
             created = self._created_as_non_member.get(identity, 0) if counted else 0
             if created >= num_ubatches:
                 return
-            if dbo.enabled():
-                raise RuntimeError(
-                    f"comm.ubatch_groups(group, {num_ubatches}, ranks={list(ranks)}) would "
-                    f"create {num_ubatches - created} process group(s) inside an overlap; "
-                    "creating a group is a collective that every rank must call in the same "
-                    "order, so call comm.ubatch_groups on every rank outside dbo.overlap"
-                )
+            _refuse_inside_overlap(num_ubatches - created)
             for index in range(created, num_ubatches):
                 self._new_group(ranks, backend, index)
                 if counted:
@@ -168,11 +116,8 @@ class UBatchGroupRegistry:
     def _new_group(
         self, ranks: list[int], backend: str, index: int, timeout: timedelta | None = None
     ) -> Any:
-        # Every rank of the world takes part (use_local_synchronization=False): then the
-        # group's name comes from a counter that every rank advances alike. With local
-        # synchronization the name hashes the number of groups *this* rank belongs to,
-        # which differs between ranks with different group histories: they would
-        # rendezvous under different names and wait until the timeout.
+        # Global synchronization: the group's name comes from a counter every rank
+        # advances alike (a local one differs between ranks with other group histories).
         if timeout is None and self.timeout_s is not None:
             timeout = timedelta(seconds=self.timeout_s)
         return dist.new_group(
@@ -184,11 +129,9 @@ class UBatchGroupRegistry:
         )
 
     def _forget_destroyed(self) -> None:
-        """Drop the duplicates of base groups that no longer exist: destroyed by torch's
-        own `destroy_process_group()`, which takes every group with the world, or a
-        subgroup alone (then its duplicates still exist, and are destroyed here; a
-        duplicate is only destroyed twice by mistake, an error). In a new world, also
-        forget what this rank created as a non-member of the old one's groups."""
+        """Drop (and destroy, if still registered) the duplicates of base groups that
+        torch's own `destroy_process_group` removed; in a new world, also forget the
+        non-member counts of the old one."""
         world = dist.GroupMember.WORLD
         if self._world is None or self._world() is not world:
             self._created_as_non_member.clear()
@@ -211,12 +154,19 @@ class UBatchGroupRegistry:
             return duplicates
 
 
-def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
-    """`group`'s own collective timeout, or None where this torch does not expose it.
+def _refuse_inside_overlap(count: int) -> None:
+    if dbo.enabled():
+        raise RuntimeError(
+            f"comm.ubatch_groups would create {count} process group(s) inside an overlap; "
+            "creating a group is a collective that every rank must call in the same "
+            "order, so call comm.ubatch_groups on every rank outside dbo.overlap (e.g. "
+            "right after comm.init_distributed)"
+        )
 
-    Read from the backend's options (gloo and NCCL keep it there); private API, hence
-    the guard: None makes the caller fall back to the registry's timeout.
-    """
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    """`group`'s own collective timeout from its backend's options (private API), or
+    None where this torch does not expose it."""
     for device_type in getattr(group, "_device_types", ()):
         try:
             timeout = group._get_backend(device_type).options._timeout
@@ -228,16 +178,9 @@ def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
 
 
 def connect_now(group: dist.ProcessGroup) -> None:
-    """Make NCCL create `group`'s communicator now, outside any overlap.
-
-    Without a device bound to the default group (`init_process_group(device_id=...)`,
-    which `comm.init_distributed` passes, but a world initialized elsewhere may not),
-    NCCL creates a communicator at its first collective. For a per-ubatch duplicate that
-    would happen inside an overlap, in a ubatch thread holding the baton, while the other
-    ubatch's collective is in flight: a blocking, device-synchronizing step that NCCL
-    warns can deadlock with another communicator's kernels. One tiny all-reduce here, on
-    every member in the same order (group creation is collective already), does it early.
-    """
+    """Make NCCL create `group`'s communicator now, with one tiny all-reduce on every
+    member: created lazily inside an overlap, while another communicator's kernels are
+    in flight, it can deadlock."""
     device = getattr(group, "bound_device_id", None) or torch.device(
         "cuda", torch.cuda.current_device()
     )
@@ -263,41 +206,25 @@ def ubatch_groups(
 ) -> tuple[dist.ProcessGroup, ...]:
     """Create (once) and return `num_ubatches` duplicates of `group`, one per ubatch.
 
-    A collective over the whole world whenever it creates duplicates, like
-    `torch.distributed.new_group`: every rank of the *world* must call it, in the same
-    order relative to its other group creations, and outside any overlap (inside one it
-    only returns existing duplicates, else raises RuntimeError). It creates only the
-    duplicates `group` does not have yet: a later call with the same or a smaller
-    `num_ubatches` returns the same groups without communicating; one with a larger
-    `num_ubatches` creates the missing ones.
+    A collective over the whole world whenever it creates duplicates: every rank of the
+    world calls it, in the same order relative to its other group creations, outside
+    any overlap (inside one it only returns existing duplicates, else RuntimeError). It
+    creates only the duplicates `group` does not have yet. Afterwards `comm`'s
+    collectives on `group` (None: the default group) run ubatch i on duplicate `i % n`
+    inside an overlap; outside an overlap they keep using `group`.
 
-    A rank that is not a member of `group` (it got `GroupMember.NON_GROUP_MEMBER` from
-    `new_group`) calls it with that value and `ranks=` the group's ranks, and gets `()`.
-    Having no group object, it cannot tell which base group a call is for, so:
-      - without `key=`, it takes part in creating `num_ubatches` groups at every call:
-        call `ubatch_groups` once per base group (as many base groups with the same
-        ranks as you like); a second call for the same group would make it create
-        groups the members do not, and the next group creation would hang;
-      - with `key=` (a hashable naming the base group, the same on every rank; members
-        ignore `ranks=` and `key=`), it counts the duplicates per `(ranks, key)` as the
-        members count them per group, so calling again, or with a larger
-        `num_ubatches`, stays in step with them.
-
-    After this call, `comm`'s collectives on `group` (or on the default group, for
-    `group=None`) run ubatch i's collectives on duplicate `i % n` inside an overlap, n
-    being the number of duplicates `group` has (the most any call asked for); outside
-    an overlap they keep using `group`. `init_distributed` calls this for the default
-    group.
+    A non-member (it got `GroupMember.NON_GROUP_MEMBER` from `new_group`) passes that
+    value and `ranks=` the group's ranks, and gets `()`. Without `key=` it takes part in
+    creating `num_ubatches` groups at every call, so call once per base group; with
+    `key=` (a hashable naming the base group, the same on every rank; members ignore
+    `ranks=` and `key=`) repeated calls stay in step with the members. A key names one
+    group object: use a new key for a base group created again.
 
     Args:
         group: the base group; None: the default (world) group.
-        num_ubatches: how many duplicates, in [1, 1024] (the ubatch count you overlap
-            with).
+        num_ubatches: how many duplicates, in [1, 1024].
         ranks: on a non-member only (required there): the base group's ranks.
-        key: on a non-member: which base group this is, to make repeated calls safe. A
-            key names one group *object*: after the base group is destroyed and created
-            again, use a new key (the non-member cannot see that the members' group is
-            a new one, and would skip the duplicates they create).
+        key: on a non-member: which base group this is.
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     try:  # on every rank, so that a bad call raises alike on members and non-members
@@ -319,8 +246,7 @@ def ubatch_groups(
 
 def _checked_non_member_ranks(ranks: Any) -> list[int]:
     """A non-member's `ranks=`: ranks of this world, without this rank (ValueError
-    before any rendezvous, which would otherwise time out and leave the ranks' later
-    group creations out of step)."""
+    before any rendezvous, which would otherwise time out)."""
     checked = sorted({int(rank) for rank in ranks})
     me, world_size = dist.get_rank(), dist.get_world_size()
     if me in checked:
@@ -334,9 +260,7 @@ def _checked_non_member_ranks(ranks: Any) -> list[int]:
 
 
 def destroy_ubatch_groups() -> None:
-    """Destroy every duplicate group and forget them (before destroying the world).
-    Duplicates already gone (destroyed with their world by torch's own
-    `destroy_process_group()`) are only forgotten."""
+    """Destroy every duplicate group still registered and forget them all."""
     for duplicate in _registry.clear():
         if dist.is_initialized() and _still_registered(duplicate):
             dist.destroy_process_group(duplicate)

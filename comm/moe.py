@@ -5,53 +5,28 @@
     expert_out = run_local_experts(recv_x, recv_local_expert_ids)   # row for row
     y = comm.moe.combine(expert_out, handle, topk_weights)
 
-Experts are split evenly over the ranks of the group: rank r owns global experts
-`[r * E_local, (r + 1) * E_local)` with `E_local = num_experts // world_size`. Each
-(token, k) pair is one row on the wire: a token goes to the rank of each of its top-k
-experts (twice to a rank that owns two of them). Counts are exchanged first, so uneven
-loads, a rank that receives nothing and a rank with no tokens at all all work.
+Rank r owns global experts `[r * E_local, (r + 1) * E_local)`, `E_local = num_experts //
+world_size`. Each (token, k) pair is one row on the wire. Counts are exchanged first, so
+uneven loads and ranks that send or receive nothing work. Both calls go through
+`comm.all_to_all_single`: inside an overlap they yield while in flight (`dispatch` twice,
+`combine` once); outside they block. Results are bitwise those of the same calls made
+serially on the same ubatch split.
 
-Both calls are DBO-aware through `comm.all_to_all_single`: inside an overlap each
-all-to-all runs on the ubatch's comm stream and group and yields while in flight
-(`dispatch` yields twice: counts, then rows; `combine` once). Outside an overlap they are
-plain blocking calls. Both are differentiable: the gradients take the same all-to-alls
-back (`_ExchangeRows`). The results do not depend on the overlap: a ubatch gets bitwise
-the same `recv_x` / `y` as the same call made serially on the same ubatch split.
-
-Backward order. A backward all-to-all is a collective: every rank must run the same ones
-in the same order. The autograd engine runs ready nodes by `sequence_nr`, a per-thread
-counter, and nodes recorded in different threads are not ordered against each other; so
-after an overlapped forward (each ubatch records its graph in its own worker thread) the
-order of the ubatches' backward exchanges followed how many autograd ops each thread
-happened to record, which data-dependent model code (an expert loop that skips experts
-with no rows) changes per rank: the ranks paired the wrong exchanges (wrong gradients
-or a gloo abort). And a rank whose `expert_out` did not require grad (no rows for its
-experts, frozen experts) had no backward node for `combine`'s exchange, while its peers
-did. Hence *order tokens*: each differentiable exchange takes zero-element tokens as
-extra inputs and returns one as an extra output, so that autograd runs an exchange's
-backward before that of every exchange whose token it consumed:
-  - `dispatch` stores its token in the handle and `combine` consumes it: `combine`'s
-    backward node exists whenever `dispatch`'s does (sending zeros where this rank has
-    no gradient), and its token gradient makes `dispatch`'s backward run even when
-    `recv_x` was not used;
-  - inside an overlap, every differentiable exchange of the run (all ubatches, all
-    groups) consumes the run's latest token (kept in `dbo.run_state()`) and its own
-    token becomes the latest, before it yields: the run's exchanges form one chain in
-    launch order, which the baton makes the same on every rank, and their backwards run
-    in the reverse of that order everywhere. The chain is per run: it never reaches into
-    an earlier call's graph. Outside an overlap one thread records the exchanges, and
-    its counter already orders their backwards by creation.
-Tokens are built only while grad mode is on and something the exchange takes requires
-grad; the token requires grad exactly then. Inference builds none.
-
-When only the experts train (nothing before `combine` requires grad on any rank, so it
-has no token to take), whether `combine`'s exchange is differentiable depends on
-`expert_out`, which needs no grad on a rank whose experts got no rows (expert code that
-skips empty experts leaves it plain). `combine` then all-reduces one flag first (does
-any rank's `expert_out` require grad?) and, if so, makes its exchange differentiable
-on every rank: one extra small collective per `combine`, only in grad mode and only
-without a token (training with a trainable model below the layer has one; inference
-under `torch.no_grad()` / `torch.inference_mode()` is not in grad mode).
+Backward. Both are differentiable (the gradient takes the same all-to-all back), and a
+backward all-to-all is a collective, so every rank must run the same ones in the same
+order. Autograd orders nodes recorded in different threads by per-thread counters, which
+data-dependent code changes per rank; so each differentiable exchange takes zero-element
+*order tokens* as inputs and returns one, and autograd runs its backward before that of
+every exchange whose token it took:
+  - `combine` takes `dispatch`'s token (in the handle): its backward exists on every rank
+    whose `dispatch` has one, sending zeros where `expert_out` needs no grad;
+  - inside an overlap every exchange of the run takes the run's latest token (in
+    `dbo.run_state()`) and publishes its own before it yields, so the run's exchanges
+    form one chain in launch order, the same on every rank.
+When nothing before `combine` requires grad (only the experts train), `combine` in grad
+mode first all-reduces one flag (does any rank's `expert_out` require grad?) so that
+every rank records its backward or none does. Tokens exist only in grad mode when
+something requires grad; inference builds none. Gradients are first order only.
 """
 
 from __future__ import annotations
@@ -96,11 +71,8 @@ class DispatchHandle:
     """[world_size, E_local] int64 on the host: rows received from rank s for local
     expert e; `recv_x` holds them source-major, expert-minor."""
     order_token: torch.Tensor | None = None
-    """A zero-element float32 tensor that requires grad, output of `dispatch`'s row
-    exchange, or None when that exchange recorded no graph (grad mode off, nothing
-    requiring grad). `combine` takes it as an input of its own exchange, so that its
-    backward exchange runs (and then `dispatch`'s) on every rank whose `dispatch` has a
-    backward, even where `expert_out` does not require grad (module docstring)."""
+    """A zero-element float32 tensor that requires grad, from `dispatch`'s row exchange,
+    or None when that exchange recorded no graph; `combine` takes it (module docstring)."""
 
     @property
     def num_recv_tokens(self) -> int:
@@ -131,12 +103,11 @@ def dispatch(
 
     Streams: inside an overlap the all-to-alls run on the ubatch's comm stream; the
     results are ready on its compute stream when `dispatch` returns. On CUDA the split
-    sizes are read on the host (two synchronizations: local counts, received counts).
+    sizes are read on the host (two synchronizations).
 
-    Raises TypeError / ValueError (before any communication) for a bad shape, dtype,
-    device, `num_experts` not divisible by the group size, or an expert id out of range.
-    A rank whose check fails raises while the others launch the count exchange: give
-    every rank valid input, or the others wait until the group's timeout.
+    Raises TypeError / ValueError before any communication for a bad shape, dtype,
+    device, `num_experts` not divisible by the group size, or an expert id out of range
+    (the other ranks then wait until the group's timeout).
     """
     base = resolve_group(group)
     x = require_tensor("x", x)
@@ -160,9 +131,8 @@ def dispatch(
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    # Out-of-range ids are clamped only so that the count runs; they raise just below.
-    # scatter_add_ rather than bincount, which synchronizes on CUDA (it reads the ids'
-    # min and max on the host) while this ubatch holds the baton.
+    # Clamped only so that the count runs (out-of-range ids raise below); scatter_add_
+    # rather than bincount, which synchronizes on CUDA.
     clamped_ids = flat_ids.clamp(0, num_experts - 1)
     counts_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts_per_expert.scatter_add_(0, clamped_ids, torch.ones_like(clamped_ids))  # [E]
@@ -225,10 +195,8 @@ def combine(
         is computed in the promoted dtype of `expert_out` and `topk_weights`, summing
         over k in order 0..K-1).
 
-    Streams and overlap: as `dispatch` (one all-to-all, one yield inside an overlap).
-    In grad mode with nothing before it requiring grad (only the experts train), it
-    first all-reduces one flag so that every rank records a backward or none does
-    (module docstring): one more small collective and yield.
+    Streams and overlap: as `dispatch` (one all-to-all, one yield inside an overlap;
+    one more small all-reduce when only the experts train, module docstring).
     Raises TypeError / ValueError before any communication for bad shapes or dtypes.
     """
     if not isinstance(handle, DispatchHandle):
@@ -283,16 +251,11 @@ def _run_has_order_token() -> bool:
 
 
 def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
-    """For a `combine` in grad mode with no order token to take (nothing before it in
-    the layer requires grad, on any rank): whether its exchange is differentiable then
-    depends on `expert_out` alone, which can differ per rank (a rank whose experts got
-    no rows, with expert code that skips empty experts, has a plain `expert_out`). One
-    flag all-reduce (MAX) makes the ranks agree: if any rank's `expert_out` requires
-    grad, every rank's exchange records a backward. Returns an anchor that makes this
-    rank's exchange differentiable when its own `expert_out` would not, else None.
-    """
+    """For a `combine` in grad mode with no order token to take: all-reduce (MAX) whether
+    any rank's `expert_out` requires grad. Returns an anchor that makes this rank's
+    exchange differentiable when its own `expert_out` would not, else None."""
     needs_grad = expert_out.requires_grad
-    # torch.full: a copy from host memory would be one more host sync, under the baton.
+    # torch.full: a copy from host memory would be one more host sync.
     flag = torch.full((1,), int(needs_grad), dtype=torch.int32, device=expert_out.device)
     all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if needs_grad or not bool(flag.item()):
@@ -309,11 +272,9 @@ def _exchange_rows(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`.
 
-    Differentiable (`_ExchangeRows`) when grad mode is on and `rows`, `anchor` (a
-    handle's token) or the run's latest token requires grad; the order token is then
-    its token output (it requires grad), else None and the exchange is a plain
-    all-to-all. Inside an overlap the token becomes the run's latest before the exchange
-    yields, so that the next exchange launched, by whichever ubatch, links to it.
+    Differentiable (`_ExchangeRows`) when grad mode is on and `rows`, `anchor` or the
+    run's latest token requires grad; else a plain all-to-all and no token. Inside an
+    overlap the token becomes the run's latest before the exchange yields.
     """
     if not torch.is_grad_enabled():
         return _send_rows(rows, output_splits, input_splits, group)[0], None
@@ -332,8 +293,7 @@ def _exchange_rows(
             rows, output_splits, input_splits, group, None, *tokens
         )
         return received, token
-    # Launch without waiting, publish the token, then yield and wait: the same one
-    # yield per exchange as a blocking call, but the chain follows the launch order.
+    # Launch, publish the token, then yield and wait: the chain follows the launch order.
     pending: list[CollectiveWork] = []
     received, token = _ExchangeRows.apply(
         rows, output_splits, input_splits, group, pending, *tokens
@@ -350,9 +310,8 @@ def _send_rows(
     group: dist.ProcessGroup,
     async_op: bool = False,
 ) -> tuple[torch.Tensor, CollectiveWork | None]:
-    """The one row all-to-all (forward, backward and the plain path): `rows` out by
-    `input_splits`, `(received, handle)` in by `output_splits`; the handle is None
-    unless `async_op`."""
+    """The row all-to-all: `rows` out by `input_splits`, `(received, handle)` in by
+    `output_splits`; the handle is None unless `async_op`."""
     received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
     work = all_to_all_single(
         received,
@@ -366,26 +325,18 @@ def _send_rows(
 
 
 class _ExchangeRows(torch.autograd.Function):
-    """`all_to_all_single` of rows that autograd can differentiate: the gradient of the
-    received rows takes the way back (the same exchange with the splits swapped), so
-    training through `dispatch` / `combine` updates the experts and the layers below.
+    """`all_to_all_single` of rows that autograd differentiates: the gradient of the
+    received rows takes the same exchange back, splits swapped.
 
-    Inputs: `rows`, the splits, the group, `pending` (None: a blocking exchange; a list:
-    launch only, and append the `CollectiveWork` for the caller to wait), then any number
-    of order tokens. Outputs: the received rows and a new order token, a zero-element
-    float32 tensor on the rows' device. The backward returns a zero-element gradient for
-    each token taken: a token is data-free, it only adds a graph edge, so that autograd
-    runs this exchange's backward before the backward of every exchange whose token it
-    took. Chaining the exchanges through their tokens makes every rank run its backward
-    exchanges in the same order (the reverse of the launch order), and makes a
-    `combine`'s backward (and through it its `dispatch`'s) run even on a rank where the
-    rows did not require grad, sending zeros (module docstring).
+    Inputs: `rows`, the splits, the group, `pending` (None: blocking; a list: launch
+    only, and append the `CollectiveWork` for the caller to wait), then any number of
+    order tokens. Outputs: the received rows and a new zero-element float32 token. The
+    backward returns a zero-element gradient per token taken, so autograd runs this
+    exchange's backward before those whose tokens it took (module docstring).
 
-    The backward runs where autograd runs it (usually outside any overlap: a plain
-    blocking all-to-all); every rank must run its backward, in the same order, as for any
-    collective in a distributed backward pass. First order only: a backward with
-    `create_graph=True` raises (before its exchange, on every rank) rather than return a
-    gradient that silently lacks the exchange's part of the second order.
+    The backward runs where autograd runs it (usually outside any overlap, blocking).
+    First order only: a backward with `create_graph=True` raises on every rank before its
+    exchange, rather than return a second order that lacks the exchange's part.
     """
 
     @staticmethod
@@ -413,19 +364,15 @@ class _ExchangeRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_received: torch.Tensor, grad_token: Any) -> tuple[Any, ...]:
         if torch.is_grad_enabled():
-            # create_graph=True: the exchange below would record no graph, so a gradient
-            # of this gradient would silently miss every path through the exchange
-            # (torch's once_differentiable does not help: autograd.grad(inputs=...) prunes
-            # its error node). Every rank runs the same backward call, so every rank
-            # raises here, before the collective: none is left waiting.
+            # The exchange below records no graph. Every rank runs the same backward, so
+            # every rank raises here, before the collective: none is left waiting.
             raise RuntimeError(
                 "comm.moe.dispatch/combine support first-order gradients only: a backward "
                 "with create_graph=True (a gradient penalty, double backward) through "
                 "them is not supported"
             )
         output_splits, input_splits = ctx.splits
-        # Autograd materializes a missing gradient as zeros of the output's shape: a rank
-        # whose received rows were not used still sends (zero) gradients.
+        # A missing gradient arrives as zeros: a rank whose rows were unused still sends.
         grad_rows, _ = _send_rows(grad_received, input_splits, output_splits, ctx.group)
         token_grads = tuple(
             torch.zeros(0, dtype=torch.float32, device=device) if needed else None

@@ -68,3 +68,15 @@ def test_a_non_member_and_a_non_group_still_get_the_clear_errors(world_of_one: N
         comm.all_reduce(torch.ones(2), group=dist.GroupMember.NON_GROUP_MEMBER)
     with pytest.raises(TypeError, match="ProcessGroup or None"):
         comm.all_reduce(torch.ones(2), group="world")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_group_of_a_destroyed_world_is_refused(world_of_one: None) -> None:
+    group = dist.new_group([0])
+    comm.all_reduce(torch.ones(2), group=group)
+    comm.destroy_distributed()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        comm.all_reduce(torch.ones(2), group=group)
+    comm.init_distributed(allow_single_process=True)
+    with pytest.raises((ValueError, RuntimeError)):
+        comm.all_reduce(torch.ones(2), group=group)  # a group of the old world

@@ -268,8 +268,7 @@ def test_uneven_splits_reach_the_method_output_splits_first(
 
 
 def test_launch_options_are_built_once_per_kind_and_carry_the_call_s_fields() -> None:
-    # Options objects are cached (building one is ~0.5 us a call); each cached object
-    # must still say what its call asked for.
+    # Options objects are cached; each cached object says what its call asked for.
     direct = _launch._ALL_REDUCE
     if direct is None:
         pytest.skip("this torch has no direct all_reduce launch")
@@ -286,3 +285,17 @@ def test_launch_options_are_built_once_per_kind_and_carry_the_call_s_fields() ->
     scaled = dist._make_nccl_premul_sum(2.0)
     assert _launch._options(direct, True, scaled) is not _launch._options(direct, True, scaled)
 
+
+
+def test_reduce_ops_made_afresh_per_call_do_not_grow_the_options_cache(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_launch, "_options_cache", {})  # filled here, not for later tests
+    for _ in range(300):
+        tensor = torch.ones(2)
+        comm.all_reduce(tensor, op=dist.ReduceOp.RedOpType(2))  # MAX, a new object each time
+        torch.testing.assert_close(tensor, torch.ones(2), rtol=0, atol=0)
+        assert len(_launch._options_cache) <= _launch._MAX_CACHED_OPTIONS
+    comm.all_reduce(torch.ones(2), op=dist.ReduceOp.SUM)
+    # A full cache of one-shot ops does not refuse the op in use.
+    assert any(op is dist.ReduceOp.SUM for op, _ in _launch._options_cache.values())

@@ -1,10 +1,7 @@
-"""Backward through comm.moe after an overlapped forward, in one process (a world of 1).
-
-The backward all-to-alls of one overlap run must run in the reverse of their forward
-launch order, whatever each ubatch thread recorded besides: every rank launches in the
-same order (the baton), so every rank then runs its backward exchanges in the same
-order. Without the order tokens the autograd engine ordered them by each thread's own
-sequence counter.
+"""Backward through comm.moe, in one process (a world of 1): gradients reach the experts
+and the tokens, and after an overlapped forward the backward all-to-alls run in the
+reverse of their launch order, whatever each ubatch thread recorded besides (the
+autograd engine alone would order them by each thread's own sequence counter).
 """
 
 from __future__ import annotations
@@ -17,6 +14,47 @@ import torch
 import comm
 import dbo
 from comm import _launch
+
+
+def _moe_layer_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 1], [1, 1], [0, 0], [1, 0], [0, 1]])
+    weights = torch.rand(5, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    expert_weight = torch.randn(4, 4, generator=generator, dtype=torch.float64,
+                                requires_grad=True)
+    return x, ids, weights, expert_weight
+
+
+def _dense_reference(
+    x: torch.Tensor, weights: torch.Tensor, expert_weight: torch.Tensor
+) -> torch.Tensor:
+    # Both experts are the same matmul here, so the MoE output is sum_k w[t,k] * x[t] @ W.
+    return (weights.unsqueeze(-1) * (x @ expert_weight).unsqueeze(1)).sum(dim=1)
+
+
+@pytest.mark.timeout(60)
+def test_combine_propagates_the_expert_gradient(world_of_one: None) -> None:
+    x, ids, weights, expert_weight = _moe_layer_inputs()
+    recv_x, _, handle = comm.moe.dispatch(x.detach(), ids, 2)
+    y = comm.moe.combine(recv_x @ expert_weight, handle, weights)
+    y.sum().backward()
+    reference_weight = expert_weight.detach().clone().requires_grad_(True)
+    _dense_reference(x.detach(), weights.detach(), reference_weight).sum().backward()
+    assert expert_weight.grad is not None, "the experts got no gradient from combine"
+    assert torch.allclose(expert_weight.grad, reference_weight.grad)
+
+
+@pytest.mark.timeout(60)
+def test_dispatch_propagates_the_token_gradient(world_of_one: None) -> None:
+    x, ids, weights, expert_weight = _moe_layer_inputs()
+    recv_x, _, handle = comm.moe.dispatch(x, ids, 2)
+    y = comm.moe.combine(recv_x @ expert_weight.detach(), handle, weights.detach())
+    assert y.requires_grad, "y does not depend on x for autograd"
+    y.sum().backward()
+    reference_x = x.detach().clone().requires_grad_(True)
+    _dense_reference(reference_x, weights.detach(), expert_weight.detach()).sum().backward()
+    assert torch.allclose(x.grad, reference_x.grad)
 
 
 def _spy_row_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:

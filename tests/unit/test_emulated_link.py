@@ -50,11 +50,11 @@ def test_bad_arguments() -> None:
     with pytest.raises(TypeError):
         EmulatedLink(0.0).transfer([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="finite"):
-        EmulatedLink(latency_s=float("inf"))  # wait() failed with an OverflowError
+        EmulatedLink(latency_s=float("inf"))  # a transfer that never completes
     with pytest.raises(ValueError, match="finite"):
         EmulatedLink(latency_s=float("nan"))
     with pytest.raises(TypeError, match="bandwidth_bytes_per_s must be a number"):
-        EmulatedLink(0.0, bandwidth_bytes_per_s=True)  # was taken as 1 byte/s
+        EmulatedLink(0.0, bandwidth_bytes_per_s=True)  # not 1 byte/s
     with pytest.raises(TypeError, match="latency_s must be a number"):
         EmulatedLink(latency_s="0.1")  # type: ignore[arg-type]
     # Numbers of other kinds are fine: a 0-dim tensor, an int.
