@@ -2,7 +2,7 @@
 
 Run it with:
 
-    .venv/bin/python benchmarks/workspace_alloc.py            # about 5 s
+    .venv/bin/python benchmarks/workspace_alloc.py            # a few seconds
     .venv/bin/python benchmarks/workspace_alloc.py --rounds 15 --calls 5000
 
 For each set of three tensors it times, in the same run and interleaved round by round:

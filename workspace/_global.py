@@ -1,7 +1,7 @@
 """The process-wide workspace manager, behind accessor functions.
 
 Modules deep inside a model reach their scratch memory through
-`current_workspace_manager()` instead of having a manager threaded through every call.
+`current_workspace_manager()` instead of having a manager passed through every call.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ _manager: WorkspaceManager | None = None
 def init_workspace_manager(
     device: torch.device | str | int, num_ubatches: int | None = None
 ) -> WorkspaceManager:
-    """Create the process-wide manager (idempotent for the same device and slot count).
+    """Create the process-wide manager, or return the existing one if it matches.
 
     `num_ubatches=None` creates a one-slot manager, or returns the existing manager on
-    `device` whatever its slot count (a library module can ask for "the manager" without
-    knowing how many ubatches the application overlaps with).
-
-    Raises RuntimeError if a manager with another device or slot count exists: call
-    `reset_workspace_manager()` first (no thread may still use the old one).
+    `device` whatever its slot count (for library code that does not know how many
+    ubatches the application overlaps with). Raises RuntimeError if a manager with another
+    device or slot count exists: call `reset_workspace_manager()` first.
     """
     global _manager
     wanted = WorkspaceManager(device, num_ubatches)  # validates; allocates nothing
@@ -50,7 +48,7 @@ def is_workspace_manager_initialized() -> bool:
 
 
 def current_workspace_manager() -> WorkspaceManager:
-    """The process-wide manager. Raises RuntimeError if none was initialized."""
+    """The process-wide manager. Raises RuntimeError if none is initialized."""
     manager = _manager
     if manager is None:
         raise RuntimeError(
@@ -71,7 +69,8 @@ def unlock_workspace() -> None:
 
 
 def reset_workspace_manager() -> None:
-    """Forget the process-wide manager; its buffers are freed once no view refers to them."""
+    """Forget the process-wide manager (no thread may still use it); its buffers are
+    freed once no view refers to them."""
     global _manager
     with _holder_lock:
         _manager = None

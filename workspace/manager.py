@@ -1,10 +1,5 @@
-"""Scratch memory handed out as views of one preallocated byte buffer per ubatch slot.
-
-`WorkspaceManager` keeps one 1-D `torch.uint8` buffer per ubatch slot and returns typed
-views into the calling ubatch's slot, so that after warmup the hot path never allocates.
-Views of one call never overlap, each starts at an address that is a multiple of 256
-bytes, and they stay valid until the same slot's next call, which reuses the same bytes.
-"""
+"""Scratch memory handed out as views of one preallocated byte buffer per ubatch slot,
+so that after warmup the hot path never allocates (contract: `WorkspaceManager`)."""
 
 from __future__ import annotations
 
@@ -71,13 +66,15 @@ class WorkspaceStats:
     the most bytes, recorded when a slot first sees their request."""
 
 
+def _in_package(filename: str) -> bool:
+    return os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR
+
+
 def _caller_outside_package() -> str:
     """`file:line:function` of the innermost frame outside the workspace package."""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == (
-        _PACKAGE_DIR
-    ):
-        frame = frame.f_back  # type: ignore[assignment]
+    frame: Any = sys._getframe(1)
+    while frame is not None and _in_package(frame.f_code.co_filename):
+        frame = frame.f_back
     if frame is None:
         return "<unknown>"
     return f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}"
@@ -266,9 +263,11 @@ class WorkspaceManager:
               (even when locked). Give `out=` the exact shape.
             - A zero-size shape gets a fresh empty tensor; no arguments return `[]`.
 
-        The slot is `dbo.current_ubatch_id()`: slot 0 outside an overlap. A request equal
-        to one the slot has seen (`==` on shapes and dtypes) returns from its cache without
-        validation. Quantized dtypes are unsupported.
+        A shape is a tuple, list or torch.Size of integers (what `operator.index` takes);
+        quantized dtypes are unsupported. The slot is `dbo.current_ubatch_id()`: slot 0
+        outside an overlap. A request equal to one the slot has seen (`==` on shapes and
+        dtypes) returns from the slot's cache without validation; list shapes and tensor
+        dimensions are validated on every call.
 
         Raises:
             TypeError / ValueError: a malformed request (nothing changes).
@@ -301,11 +300,9 @@ class WorkspaceManager:
             if slot.user != user and slot.held_by_a_running_ubatch():
                 raise RuntimeError(
                     f"workspace slot {ubatch_id} is in use by another thread, which runs "
-                    f"ubatch {ubatch_id} of an overlap now; one slot per ubatch id means one "
-                    "user at a time: two overlaps running at once from two threads (or a "
-                    "thread outside the overlap, which gets slot 0) would overwrite each "
-                    "other's views. Run them one after the other, or give each caller its "
-                    "own WorkspaceManager"
+                    f"ubatch {ubatch_id} of an overlap now; two overlaps at once (or a thread "
+                    "outside the overlap, which gets slot 0) would overwrite each other's "
+                    "views. Run them one after the other, or give each its own WorkspaceManager"
                 )
             slot.user, slot.registration = user, registration
 
@@ -359,9 +356,9 @@ class WorkspaceManager:
                 makers.append(functools.partial(torch.empty, shape, dtype=dtype, device=device))
                 continue
             assert slot.buffer is not None, "a slot is realized before it hands out views"
-            # Outside inference mode: views of an inference tensor refuse in-place writes
-            # outside it. One base per view, and `detach()` per call, so that a write from
-            # a tensor that requires grad puts only that call's view into the graph.
+            # Cut outside inference mode (views of an inference tensor refuse in-place
+            # writes outside it), and handed out as a `detach()` per call, so that a write
+            # from a tensor that requires grad puts only that call's tensor into a graph.
             with torch.inference_mode(False):
                 base = slot.buffer[offset : offset + num_bytes].view(dtype).view(shape)
             makers.append(base.detach)
@@ -405,9 +402,8 @@ class WorkspaceManager:
         """Give `slot` a buffer of `num_bytes`; free the old one first."""
         old = slot.buffer
         if old is not None and old.is_cuda:
-            # Inside an overlap, keep the allocator from reusing the block before this
-            # ubatch's current stream is past it (its switch events order its other
-            # stream before the current one). Outside an overlap, nothing is needed.
+            # Inside an overlap, the allocator must not reuse the block before this ubatch's
+            # current stream (which its switch events order after its other one) is past it.
             stream = dbo.current_stream()
             if isinstance(stream, torch.cuda.Stream):
                 old.record_stream(stream)
@@ -418,11 +414,8 @@ class WorkspaceManager:
         self._num_allocations += 1
 
     def _allocate_aligned(self, num_bytes: int) -> torch.Tensor:
-        """A 1-D uint8 tensor of `num_bytes` whose data_ptr is a multiple of 256.
-
-        Allocators differ in the alignment they guarantee (64 bytes on CPU), so this asks
-        for `ALIGNMENT_BYTES - 1` spare bytes and starts at the first aligned address.
-        """
+        """A 1-D uint8 tensor of `num_bytes` whose data_ptr is a multiple of 256: allocators
+        promise less (64 bytes on CPU), so it starts at the first aligned spare byte."""
         try:
             raw = self._allocate(num_bytes + ALIGNMENT_BYTES - 1)
         except (RuntimeError, MemoryError) as error:
