@@ -264,10 +264,10 @@ class WorkspaceManager:
             - A zero-size shape gets a fresh empty tensor; no arguments return `[]`.
 
         A shape is a tuple, list or torch.Size of integers (what `operator.index` takes);
-        quantized dtypes are unsupported. The slot is `dbo.current_ubatch_id()`: slot 0
-        outside an overlap. A request equal to one the slot has seen (`==` on shapes and
-        dtypes) returns from the slot's cache without validation; list shapes and tensor
-        dimensions are validated on every call.
+        quantized dtypes and sizes beyond int64 are unsupported. The slot is
+        `dbo.current_ubatch_id()`: slot 0 outside an overlap. A request equal to one the
+        slot has seen (`==` on shapes and dtypes) returns from the slot's cache without
+        validation; list shapes and tensor dimensions are validated on every call.
 
         Raises:
             TypeError / ValueError: a malformed request (nothing changes).
