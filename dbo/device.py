@@ -14,8 +14,7 @@ import threading
 from typing import Any, Protocol
 
 import torch
-
-from dbo._pytree import flatten
+from torch.utils._pytree import tree_leaves
 
 
 class DeviceBackend(Protocol):
@@ -164,7 +163,7 @@ class CudaBackend:
         if type(outputs) in (list, tuple) and all(type(x) is torch.Tensor for x in outputs):
             leaves: Any = outputs  # the usual `fn` returning one tensor: no tree walk
         else:
-            leaves = flatten(outputs)[0]
+            leaves = tree_leaves(outputs)
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
                 leaf.record_stream(stream)

@@ -199,10 +199,11 @@ def overlap(
     Merging (the default): outputs must have the same structure in every ubatch (dicts
     may list their keys in another order). Non-tensor leaves must be equal and are
     returned once: an int or `torch.Size` computed from the ubatch's rows comes back as
-    ubatch 0's value, so return such values as tensors, or pass `merge=`. A method
-    decorated with `@dbo.overlap` receives `self` as its first argument, which is split
-    like any argument when it is a container of tensors (a dataclass); an `nn.Module`
-    is a leaf. Wrap the bound method instead (`dbo.overlap(obj.method)`).
+    ubatch 0's value, so return such values as tensors, or pass `merge=`. Containers
+    are those `torch.utils._pytree` knows (`dbo.split`); a dataclass is one once
+    registered with `torch.utils._pytree.register_dataclass`. A method decorated with
+    `@dbo.overlap` receives `self` as its first argument, split like any argument; wrap
+    the bound method instead (`dbo.overlap(obj.method)`).
 
     Grad mode: `fn` runs under the caller's grad mode. A caller in `no_grad` whose `fn`
     turns grad on gets what a direct call gives: the split (default or custom) then
@@ -299,7 +300,7 @@ def overlap(
         name = "dbo.overlap"
         try:
             try:
-                leaves = splittable_leaves(args, kwargs)
+                leaves = splittable_leaves(args, kwargs, check_leaves=split is None)
                 size = batch_size_of(leaves) if split is None else _largest_size(leaves)
             except Exception:
                 if decision_group is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import dbo
 from dbo._context import num_registered_threads
@@ -400,12 +401,16 @@ def test_gradients_flow_through_an_overlap() -> None:
 
 
 # ---------------------------------------------------------------- split / merge
-def test_pytree_split_and_merge() -> None:
-    @dataclass
-    class Batch:
-        tokens: torch.Tensor
-        scale: float
+@dataclass
+class Batch:
+    tokens: torch.Tensor
+    scale: float
 
+
+pytree.register_dataclass(Batch)
+
+
+def test_nested_arguments_and_outputs_are_split_and_merged() -> None:
     def fn(batch: Batch, extra: dict[str, torch.Tensor], tag: str) -> dict[str, object]:
         return {"out": (batch.tokens * batch.scale, extra["mask"].sum(1)), "tag": tag}
 

@@ -1,5 +1,5 @@
 """`dbo.overlap` against calling the function directly, on inputs and outputs that are
-easy to get wrong: containers with extra state, outputs that differ between ubatches,
+easy to get wrong: nested structures, outputs that differ between ubatches,
 torch settings a ubatch changes, transforms, custom split and merge on the inline path."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import dbo
 from dbo import _thread_settings
@@ -23,61 +24,7 @@ def _overlap(fn: Any, **options: Any) -> Any:
     return dbo.overlap(fn, timeout_s=TIMEOUT_S, **options)
 
 
-# ---------------------------------------------------------------------------- containers
-class AttributeMirroringDict(collections.OrderedDict):  # type: ignore[type-arg]
-    """Like transformers' ModelOutput: every item is also an attribute."""
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        object.__setattr__(self, key, value)
-
-
-def test_a_dict_subclass_that_mirrors_items_as_attributes_is_rebuilt_through_setitem() -> None:
-    def fn(batch: AttributeMirroringDict) -> AttributeMirroringDict:
-        seen.append(tuple(batch.ids.shape))  # type: ignore[attr-defined]
-        out = AttributeMirroringDict()
-        out["logits"] = batch["ids"] * 2
-        return out
-
-    seen: list[tuple[int, ...]] = []
-    batch = AttributeMirroringDict()
-    batch["ids"] = torch.arange(6.0).reshape(6, 1)
-    out = _overlap(fn)(batch)
-    assert seen == [(3, 1), (3, 1)]  # the attribute is the ubatch's part, like the item
-    assert torch.equal(out.logits, out["logits"]) and out.logits.shape == (6, 1)
-
-
-@dataclasses.dataclass
-class WithDerivedField:
-    logits: torch.Tensor
-    aux: torch.Tensor = dataclasses.field(init=False)
-
-
-@dataclasses.dataclass
-class WithInitVar:
-    x: torch.Tensor
-    scale: dataclasses.InitVar[float]
-
-    def __post_init__(self, scale: float) -> None:
-        self.x = self.x * scale
-
-
-def test_dataclass_fields_outside_init_are_split_and_merged() -> None:
-    def fn(x: torch.Tensor) -> WithDerivedField:
-        out = WithDerivedField(x * 2)
-        out.aux = x + 1
-        return out
-
-    x = torch.arange(4.0)
-    out = _overlap(fn)(x)
-    assert torch.equal(out.logits, x * 2) and torch.equal(out.aux, x + 1)
-
-
-def test_a_dataclass_with_an_init_var_is_rebuilt_without_its_constructor() -> None:
-    batch = WithInitVar(torch.arange(4.0), 2.0)
-    assert torch.equal(_overlap(lambda b: b.x)(batch), batch.x)
-
-
+# ---------------------------------------------------------------------------- structures
 def test_dicts_with_the_same_keys_in_another_order_merge() -> None:
     def fn(x: torch.Tensor) -> dict[str, torch.Tensor]:
         if dbo.current_ubatch_id() == 0:
@@ -110,6 +57,25 @@ def test_a_structure_mismatch_names_the_keys() -> None:
 def test_leaves_of_different_kinds_raise_value_error_naming_the_leaf(fn: Any) -> None:
     with pytest.raises(ValueError, match="output"):
         _overlap(fn)(torch.arange(4.0))
+
+
+def test_ordered_dicts_with_keys_in_another_order_merge() -> None:
+    def fn(x: torch.Tensor) -> collections.OrderedDict[str, torch.Tensor]:
+        if dbo.current_ubatch_id() == 0:
+            return collections.OrderedDict(a=x, b=x + 1)
+        return collections.OrderedDict(b=x + 1, a=x)
+
+    out = _overlap(fn)(torch.arange(4.0))
+    assert isinstance(out, collections.OrderedDict) and list(out.keys()) == ["a", "b"]
+    assert torch.equal(out["b"], torch.arange(4.0) + 1)
+
+
+NO_ROWS = torch.empty(0, 3)
+
+
+def test_a_shared_tensor_without_rows_may_come_from_every_ubatch() -> None:
+    out, aux = _overlap(lambda x: (x, NO_ROWS))(torch.zeros(4, 3))
+    assert out.shape == (4, 3) and aux.shape == (0, 3)
 
 
 # ---------------------------------------------------------------------------- settings
@@ -334,6 +300,8 @@ class RowsCounted:
         object.__setattr__(self, "num_rows", int(self.x.shape[0]))
 
 
+pytree.register_dataclass(RowsCounted)
+
 def test_a_field_derived_in_post_init_matches_the_merged_output() -> None:
     out = _overlap(lambda x: RowsCounted(x * 2))(torch.ones(6, 1))
     assert out.num_rows == 6 and out.x.shape == (6, 1)
@@ -361,35 +329,6 @@ def test_an_exception_raised_again_gets_its_ubatch_note_once() -> None:
             _overlap(fn)(torch.zeros(4))
     notes = [note for note in error.__notes__ if "raised in ubatch" in note]
     assert notes == ["raised in ubatch 0 of 2 (dbo overlap)"]
-
-
-class Encoding(collections.UserDict):  # type: ignore[type-arg]
-    """Like transformers' BatchEncoding: a UserDict with extra state."""
-
-    def __init__(self, data: dict[str, Any] | None = None, tag: str = "") -> None:
-        super().__init__(data)
-        self.tag = tag
-
-
-class Rows(list):  # type: ignore[type-arg]
-    def __init__(self, items: Any, label: str) -> None:  # not list's signature
-        super().__init__(items)
-        self.label = label
-
-
-def test_user_dicts_and_list_subclasses_are_split_and_merged_keeping_their_state() -> None:
-    seen: list[tuple[Any, ...]] = []
-
-    def fn(batch: Encoding, rows: Rows) -> tuple[Encoding, Rows]:
-        seen.append((type(batch), batch.tag, tuple(batch["ids"].shape), rows.label,
-                     tuple(rows[0].shape)))
-        return Encoding({"out": batch["ids"] * 2}, tag="out"), Rows([rows[0] + 1], "r")
-
-    ids = torch.arange(6.0).reshape(6, 1)
-    out, rows = _overlap(fn)(Encoding({"ids": ids}, tag="in"), Rows([torch.zeros(6)], "in"))
-    assert seen == [(Encoding, "in", (3, 1), "in", (3,))] * 2
-    assert isinstance(out, Encoding) and out.tag == "out" and torch.equal(out["out"], ids * 2)
-    assert isinstance(rows, Rows) and rows.label == "r" and torch.equal(rows[0], torch.ones(6))
 
 
 @pytest.mark.parametrize("device_type", _thread_settings._AUTOCAST_DEVICE_TYPES)
@@ -491,7 +430,7 @@ def test_the_documented_profiler_setting_records_ubatch_threads() -> None:
     assert sum(1 for event in prof.events() if event.name == "aten::mm") == 2
 
 
-# ---------------------------------------------------------------------------- review of the above
+# -------------------------------------------------------------------- registered dataclasses
 @dataclasses.dataclass
 class Derived:
     x: torch.Tensor
@@ -503,6 +442,9 @@ class Derived:
         self.n = int(self.x.shape[0])
         self.total = self.x.sum()
         self.col_scale = torch.ones(self.x.shape[1])  # not batch-shaped
+
+
+pytree.register_dataclass(Derived)
 
 
 def test_fields_derived_in_post_init_are_derived_again_not_split_or_merged() -> None:
@@ -517,62 +459,18 @@ def test_fields_derived_in_post_init_are_derived_again_not_split_or_merged() -> 
     assert out.n == 5 and out.total.item() == 30.0 and out.col_scale.shape == (3,)
 
 
-def test_ordered_dicts_with_keys_in_another_order_merge() -> None:
-    def fn(x: torch.Tensor) -> collections.OrderedDict[str, torch.Tensor]:
-        if dbo.current_ubatch_id() == 0:
-            return collections.OrderedDict(a=x, b=x + 1)
-        return collections.OrderedDict(b=x + 1, a=x)
-
-    out = _overlap(fn)(torch.arange(4.0))
-    assert isinstance(out, collections.OrderedDict) and list(out.keys()) == ["a", "b"]
-    assert torch.equal(out["b"], torch.arange(4.0) + 1)
-
-
-NO_ROWS = torch.empty(0, 3)
-
-
-def test_a_shared_tensor_without_rows_may_come_from_every_ubatch() -> None:
-    out, aux = _overlap(lambda x: (x, NO_ROWS))(torch.zeros(4, 3))
-    assert out.shape == (4, 3) and aux.shape == (0, 3)
-
-
-class ReadOnly(collections.UserDict):  # type: ignore[type-arg]
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if getattr(self, "_frozen", False):
-            raise TypeError("read-only")
-        super().__setitem__(key, value)
-
-    def freeze(self) -> ReadOnly:
-        self._frozen = True
-        return self
-
-
-class Registry(list):  # type: ignore[type-arg]
-    def append(self, item: Any) -> None:
-        raise TypeError("use register()")
-
-
-def test_containers_whose_setters_refuse_are_rebuilt_without_them() -> None:
-    batch = ReadOnly({"x": torch.ones(4, 2)}).freeze()
-    rows = Registry()
-    list.append(rows, torch.ones(4, 2))
-    out = _overlap(lambda b, r: b["x"] + r[0])(batch, rows)
-    assert torch.equal(out, torch.full((4, 2), 2.0))
-
-
 # ---------------------------------------------------------------------------- memory
 def test_outputs_are_freed_by_reference_counting_not_left_to_the_gc() -> None:
-    # A reference cycle in split/merge would keep every step's activations alive until
-    # the garbage collector runs: memory grows, and the allocator churns (measured:
-    # ~200 page faults per call on CPU before this was fixed).
+    # A reference cycle holding the leaves would keep every step's activations alive
+    # until the garbage collector runs, so the allocator could not reuse their memory.
     import gc
     import weakref
 
-    parts: list[weakref.ref[torch.Tensor]] = []
+    seen: list[weakref.ref[torch.Tensor]] = []
 
     def fn(x: torch.Tensor) -> dict[str, Any]:
         out = x * 2
-        parts.append(weakref.ref(out))
+        seen.extend((weakref.ref(x), weakref.ref(out)))
         return {"y": out, "aux": [out[:1]]}
 
     step = _overlap(fn)
@@ -580,80 +478,18 @@ def test_outputs_are_freed_by_reference_counting_not_left_to_the_gc() -> None:
     gc.disable()
     try:
         merged = step(torch.ones(8, 4))
-        assert [part() for part in parts] == [None, None]  # copied by the merge, then freed
+        assert [ref() for ref in seen[1::2]] == [None, None]  # copied by the merge, freed
         result = weakref.ref(merged["y"])
         del merged
         assert result() is None
         for _ in range(5):
             step(torch.ones(8, 4))
-        assert gc.collect() == 0  # no call leaves a reference cycle behind
+        assert len(seen) == 24 and all(ref() is None for ref in seen)
     finally:
         gc.enable()
 
 
-class Batch(list):  # type: ignore[type-arg]
-    """A list subclass whose __reduce__ passes its items to the constructor."""
-
-    def __init__(self, items: Any = ()) -> None:
-        super().__init__(items)
-
-    def __reduce__(self) -> Any:
-        return (Batch, (list(self),))
-
-
-def test_a_list_subclass_that_reduces_with_its_items_is_not_doubled() -> None:
-    out = _overlap(lambda b: Batch([b[0] * 2]))(Batch([torch.ones(4, 2)]))
-    assert isinstance(out, Batch) and len(out) == 1 and out[0].shape == (4, 2)
-
-
-# ---------------------------------------------------------------- second review of the above
-@dataclasses.dataclass
-class Validated:
-    x: torch.Tensor
-    aux: Any = dataclasses.field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        if self.x.ndim != 2:  # validates only; aux is data set after construction
-            raise ValueError("x must be 2-D")
-
-
-def test_an_init_false_field_that_post_init_does_not_set_is_split_and_merged() -> None:
-    seen: list[int] = []
-
-    def fn(batch: Validated) -> Validated:
-        seen.append(int(batch.aux.shape[0]))
-        out = Validated(batch.x * 2)
-        out.aux = batch.aux + 1
-        return out
-
-    batch = Validated(torch.ones(4, 2))
-    batch.aux = torch.zeros(4, 3)
-    out = _overlap(fn)(batch)
-    assert seen == [2, 2]
-    assert out.x.shape == (4, 2) and torch.equal(out.aux, torch.ones(4, 3))
-
-
-class PartialState(collections.UserDict):  # type: ignore[type-arg]
-    """Pickles only part of itself, like transformers' BatchEncoding."""
-
-    def __init__(self, data: Any = None, count: int | None = None) -> None:
-        super().__init__(data)
-        self.count = count
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"data": self.data}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.data = state["data"]
-
-
-def test_attributes_left_out_of_the_pickle_state_survive_split_and_merge() -> None:
-    out = _overlap(lambda b: PartialState({"h": b["x"] * 2}, count=b.count))(
-        PartialState({"x": torch.ones(4, 2)}, count=7)
-    )
-    assert out.count == 7 and out["h"].shape == (4, 2)
-
-
+# ---------------------------------------------------------------- exit callbacks, custom split
 def test_an_exit_callback_registered_by_a_hook_at_the_end_still_runs() -> None:
     ran: list[int] = []
 
@@ -690,7 +526,7 @@ def test_a_malformed_custom_split_result_is_named_in_the_error(
         step(torch.arange(4.0))
 
 
-# ------------------------------------------------------------- merging (review 6)
+# ---------------------------------------------------------------- merging and grad mode
 @pytest.mark.parametrize("as_dict", [False, True])
 def test_the_merge_keeps_the_graph_fn_built_under_the_callers_no_grad(as_dict: bool) -> None:
     """A caller in no_grad whose fn turns grad on (a scoring loop that differentiates one

@@ -1,16 +1,20 @@
-"""balanced_token_split and the default split/merge helpers."""
+"""balanced_token_split, and the default split and merge on torch.utils._pytree containers."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import random
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 import dbo
+
+TIMEOUT_S = 30.0
 
 
 def _check_tiling(splits: list[dbo.TokenSplit], counts: list[int]) -> None:
@@ -175,24 +179,7 @@ def test_default_split_matches_tensor_split_and_shares_memory() -> None:
         assert args[0].data_ptr() == expected.data_ptr()  # views, not copies
 
 
-def test_the_leaf_type_cache_is_bounded_and_does_not_change_answers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from dbo import _pytree
-
-    monkeypatch.setattr(_pytree, "_leaf_types", {})
-    monkeypatch.setattr(_pytree, "_MAX_LEAF_TYPES", 3)
-    leaf_types = [type(f"Leaf{i}", (), {}) for i in range(5)]
-    for _ in range(2):  # the second pass answers from the cache where it can
-        for leaf_type in leaf_types:
-            assert _pytree.children(leaf_type()) is None
-        assert _pytree.children(torch.zeros(2)) is None
-        assert _pytree.children((1, 2))[0] == "tuple"
-        assert _pytree.children(collections.OrderedDict(a=1))[0] == "dict"
-    assert len(_pytree._leaf_types) == 3
-
-
-def test_the_leaf_type_cache_does_not_keep_local_classes_or_their_closures_alive() -> None:
+def test_a_leaf_argument_and_what_it_holds_are_not_kept_alive_after_the_call() -> None:
     import gc
     import weakref
 
@@ -208,32 +195,6 @@ def test_the_leaf_type_cache_does_not_keep_local_classes_or_their_closures_alive
     handle, big_ref = make()
     dbo.overlap(lambda x, h: x, timeout_s=30)(torch.zeros(4), handle)
     del handle
-    gc.collect()
-    assert big_ref() is None
-
-
-def test_the_dataclass_caches_do_not_keep_local_classes_or_their_closures_alive() -> None:
-    import dataclasses
-    import gc
-    import weakref
-
-    def make() -> tuple[object, weakref.ref[torch.Tensor]]:
-        big = torch.zeros(1000)
-
-        @dataclasses.dataclass
-        class Batch:  # split as a container: its fields are read and cached per class
-            x: torch.Tensor
-            n: int = dataclasses.field(init=False, default=0)
-
-            def __post_init__(self) -> None:
-                self.n = int(self.x.shape[0]) + 0 * int(big.numel())
-
-        return Batch(torch.ones(4, 2)), weakref.ref(big)
-
-    batch, big_ref = make()
-    out = dbo.overlap(lambda b: b.x * b.n, timeout_s=30)(batch)
-    assert torch.equal(out, torch.full((4, 2), 2.0))  # n derived per ubatch: 2 rows each
-    del batch
     gc.collect()
     assert big_ref() is None
 
@@ -262,137 +223,6 @@ def test_tensor_only_calls_split_and_merge_like_the_general_path() -> None:
     assert dbo.default_merge([empty, empty]).shape == (0, 2)
 
 
-def test_a_tuple_subclass_is_split_and_merged_as_its_own_type() -> None:
-    class Pair(tuple):  # type: ignore[type-arg]
-        def __new__(cls, first: torch.Tensor, second: torch.Tensor) -> Pair:
-            return super().__new__(cls, (first, second))
-
-    seen: list[tuple[int, int]] = []
-
-    def fn(pair: Pair) -> Pair:
-        seen.append((int(pair[0].shape[0]), int(pair[1].shape[0])))
-        return Pair(pair[0] + 1, pair[1] * 2)
-
-    x, y = torch.arange(4.0), torch.arange(8.0).reshape(4, 2)
-    pair = Pair(x, y)
-    pair.note = "kept"  # type: ignore[attr-defined]
-    out = dbo.overlap(fn, timeout_s=30)(pair)
-    assert seen == [(2, 2), (2, 2)]  # split, not passed whole to every ubatch
-    assert type(out) is Pair and torch.equal(out[0], x + 1) and torch.equal(out[1], y * 2)
-    first_args, _ = dbo.default_split((pair,), {}, 2)[0]
-    assert type(first_args[0]) is Pair
-    assert first_args[0].note == "kept"  # type: ignore[attr-defined]
-    size = torch.Size([3, 2])  # a shape stays a leaf
-    assert dbo.default_split((torch.zeros(4), size), {}, 2)[1][0][1] is size
-
-
-def test_fields_derived_in_a_base_or_helper_post_init_are_derived_again_per_ubatch() -> None:
-    import dataclasses
-
-    from dbo import _pytree
-
-    @dataclasses.dataclass
-    class Base:
-        tokens: torch.Tensor
-        num_tokens: int = dataclasses.field(init=False)
-
-        def __post_init__(self) -> None:
-            self.num_tokens = int(self.tokens.shape[0])
-
-    @dataclasses.dataclass
-    class Child(Base):  # derives num_tokens through super()
-        scale: float = 1.0
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-
-    @dataclasses.dataclass
-    class Helper:  # derives it in a method __post_init__ calls
-        tokens: torch.Tensor
-        num_tokens: int = dataclasses.field(init=False)
-
-        def __post_init__(self) -> None:
-            self._count()
-
-        def _count(self) -> None:
-            self.num_tokens = int(self.tokens.shape[0])
-
-    @dataclasses.dataclass
-    class Counts:
-        tokens: torch.Tensor
-        num_seen: int = dataclasses.field(init=False, default=0)
-
-        def __post_init__(self) -> None:
-            self.num_seen = 1
-
-    @dataclasses.dataclass
-    class Overrides(Counts):  # its own __post_init__ does not call the base's
-        def __post_init__(self) -> None:
-            pass
-
-    for cls in (Base, Child, Helper):
-        seen: list[tuple[int, int]] = []
-
-        def fn(batch: object, seen: list[tuple[int, int]] = seen) -> torch.Tensor:
-            seen.append((int(batch.tokens.shape[0]), batch.num_tokens))
-            return batch.tokens * 1
-
-        dbo.overlap(fn, timeout_s=30)(cls(torch.arange(6.0)))
-        assert seen == [(3, 3), (3, 3)], cls.__name__
-    @dataclasses.dataclass
-    class Movable:  # __post_init__ calls a tensor's to(), not the class's own to()
-        tokens: torch.Tensor
-        positions: Any = dataclasses.field(init=False, default=None)
-
-        def __post_init__(self) -> None:
-            self.tokens = self.tokens.to(torch.float32)
-
-        def to(self, device: str) -> None:
-            self.positions = self.positions.to(device)
-
-    batch = Movable(torch.arange(6))
-    batch.positions = torch.arange(6) * 10  # data, filled in after construction
-    seen_positions: list[list[int]] = []
-    dbo.overlap(lambda b: seen_positions.append(b.positions.tolist()) or b.tokens, timeout_s=30)(
-        batch
-    )
-    assert seen_positions == [[0, 10, 20], [30, 40, 50]]
-    # A field only an overridden (never called) base __post_init__ names stays data.
-    assert _pytree._derived_by_post_init(Overrides) is None  # None: every field exposed
-    assert _pytree._derived_by_post_init(Counts) == frozenset({"tokens"})
-
-
-def _count_rows(batch: Any) -> None:
-    """A module-level helper that a dataclass's __post_init__ derives a field with."""
-    batch.num_rows = int(batch.x.shape[0])
-
-
-def test_a_field_derived_by_a_module_level_helper_is_derived_again_both_ways() -> None:
-    """Only code run on self or super() was followed: a field set by `_count_rows(self)`
-    was taken for data, so each ubatch saw the whole batch's count, and the merged output
-    kept one ubatch's (found in review)."""
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Rows:
-        x: torch.Tensor
-        num_rows: int = dataclasses.field(init=False)
-
-        def __post_init__(self) -> None:
-            _count_rows(self)
-
-    seen: list[tuple[int, int]] = []
-
-    def fn(batch: Rows) -> torch.Tensor:
-        seen.append((int(batch.x.shape[0]), batch.num_rows))
-        return batch.x * 2
-
-    dbo.overlap(fn, timeout_s=30)(Rows(torch.ones(6, 2)))
-    assert seen == [(3, 3), (3, 3)]
-    merged = dbo.overlap(lambda x: Rows(x * 2), timeout_s=30)(torch.ones(6, 2))
-    assert merged.num_rows == 6
-
-
 def test_the_ubatch_count_is_capped_alike_everywhere() -> None:
     """A typo such as 2**31 must fail at once, not build that many threads or slots."""
     from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
@@ -407,3 +237,167 @@ def test_the_ubatch_count_is_capped_alike_everywhere() -> None:
         dbo.balanced_token_split([1] * 4, too_many)
     with pytest.raises(ValueError, match="num_ubatches"):
         dbo.default_split((torch.zeros(4),), {}, too_many)
+
+
+# ---------------------------------------------------------------- containers
+class Pair(NamedTuple):
+    x: torch.Tensor
+    tag: str
+
+
+@dataclasses.dataclass
+class Registered:
+    tokens: torch.Tensor
+    scale: float
+    num_rows: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_rows = int(self.tokens.shape[0])  # derived: the constructor runs per part
+
+
+pytree.register_dataclass(Registered)
+
+
+@dataclasses.dataclass
+class Unregistered:
+    tokens: torch.Tensor
+
+
+def _round_trip(make: Any) -> tuple[Any, Any]:
+    """`make(x)` split into 2 parts, `make` applied to each part, and those merged."""
+    x = torch.arange(12.0).reshape(6, 2)
+    parts = dbo.default_split((make(x),), {}, 2)
+    merged = dbo.default_merge([make(x_part) for x_part in torch.tensor_split(x, 2)])
+    return [args[0] for args, _ in parts], merged
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: Pair(x, "t"),
+        lambda x: collections.OrderedDict(b=x, a=[x, 3]),
+        lambda x: collections.defaultdict(list, {"h": x}),
+        lambda x: collections.deque([x, x + 1]),
+        lambda x: x.max(dim=1),  # torch.return_types.max
+        lambda x: {"nested": (x, {"mask": x > 2})},
+    ],
+    ids=["namedtuple", "OrderedDict", "defaultdict", "deque", "return_types", "dict"],
+)
+def test_torch_pytree_containers_split_and_merge_as_their_own_type(make: Any) -> None:
+    x = torch.arange(12.0).reshape(6, 2)
+    whole = make(x)
+    parts, merged = _round_trip(make)
+    leaves, spec = pytree.tree_flatten(whole)
+    for part, rows in zip(parts, torch.tensor_split(x, 2)):
+        assert type(part) is type(whole) and pytree.tree_structure(part) == spec
+        assert all(
+            torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+            for a, b in zip(pytree.tree_leaves(part), pytree.tree_leaves(make(rows)))
+        )
+    assert type(merged) is type(whole) and pytree.tree_structure(merged) == spec
+    for got, expected in zip(pytree.tree_leaves(merged), leaves):
+        assert torch.equal(got, expected) if isinstance(got, torch.Tensor) else got == expected
+    if isinstance(whole, collections.defaultdict):
+        assert merged.default_factory is list
+
+
+def test_a_registered_dataclass_is_split_and_merged_through_its_constructor() -> None:
+    seen: list[tuple[int, int, float]] = []
+
+    def fn(batch: Registered) -> Registered:
+        seen.append((int(batch.tokens.shape[0]), batch.num_rows, batch.scale))
+        return Registered(batch.tokens * batch.scale, batch.scale)
+
+    tokens = torch.arange(10.0).reshape(5, 2)
+    out = dbo.overlap(fn, timeout_s=TIMEOUT_S)(Registered(tokens, 3.0))
+    assert seen == [(3, 3, 3.0), (2, 2, 3.0)]  # num_rows derived again for each part
+    assert type(out) is Registered and torch.equal(out.tokens, tokens * 3.0)
+    assert out.num_rows == 5 and out.scale == 3.0
+
+
+def test_an_unregistered_dataclass_holding_a_batch_tensor_is_refused_with_the_fix() -> None:
+    step = dbo.overlap(lambda batch: batch.tokens, timeout_s=TIMEOUT_S)
+    with pytest.raises(ValueError, match=r"args\[0\].*register_dataclass\(Unregistered\)"):
+        step(Unregistered(torch.zeros(4, 2)))
+    with pytest.raises(ValueError, match=r"kwargs\['extra'\]\[1\].*split="):
+        dbo.default_split((torch.zeros(4),), {"extra": [1, Unregistered(torch.zeros(4))]}, 2)
+    with pytest.raises(ValueError, match=r"cannot merge output\[1\].*register_dataclass"):
+        dbo.default_merge([(x, Unregistered(x)) for x in torch.zeros(4, 1).tensor_split(2)])
+
+
+def test_other_unregistered_containers_holding_batch_tensors_are_refused() -> None:
+    class Encoding(collections.UserDict):
+        pass
+
+    class Rows(tuple):
+        pass
+
+    for value in (Encoding(ids=torch.zeros(4)), Rows([torch.zeros(4)])):
+        with pytest.raises(ValueError, match=r"args\[1\].*register_pytree_node"):
+            dbo.default_split((torch.zeros(4), value), {}, 2)
+    # A custom split is trusted with them.
+    split = dbo.overlap(
+        lambda x, enc: x * 1,
+        split=lambda args, kwargs, n: [((x, args[1]), {}) for x in args[0].tensor_split(n)],
+        timeout_s=TIMEOUT_S,
+    )
+    assert split(torch.ones(4), Encoding(ids=torch.zeros(4))).shape == (4,)
+
+
+def test_leaves_without_batch_tensors_reach_every_ubatch_as_the_same_object() -> None:
+    @dataclasses.dataclass
+    class Config:
+        name: str
+        weight: torch.Tensor  # 0-dim: not split
+
+    config, size = Config("c", torch.tensor(2.0)), torch.Size([3, 2])
+    stats: dict[str, list[int]] = {"calls": []}
+    parts = dbo.default_split((torch.zeros(4), config, size), {"stats": stats}, 2)
+    for args, kwargs in parts:
+        assert args[1] is config and args[2] is size and kwargs["stats"] is stats
+
+    def fn(x: torch.Tensor, stats: dict[str, list[int]]) -> torch.Tensor:
+        stats["calls"].append(dbo.current_ubatch_id())  # reaches the caller's dict
+        return x
+
+    dbo.overlap(fn, timeout_s=TIMEOUT_S)(torch.zeros(4), stats=stats)
+    assert sorted(stats["calls"]) == [0, 1]
+
+
+def test_a_torch_size_is_one_leaf_merged_when_equal_and_named_when_not() -> None:
+    out = dbo.overlap(lambda x: (x, x.shape[1:]), timeout_s=TIMEOUT_S)(torch.zeros(4, 3))
+    assert out[1] == torch.Size([3]) and type(out[1]) is torch.Size
+    with pytest.raises(ValueError, match=r"output\[1\]: the ubatches returned different"):
+        dbo.overlap(lambda x: (x, x.shape), timeout_s=TIMEOUT_S)(torch.zeros(5, 3))
+
+
+def test_error_paths_name_arguments_keys_indices_and_fields() -> None:
+    batch = {"ids": torch.zeros(4), "extra": [torch.zeros(4), Pair(torch.zeros(3), "t")]}
+    with pytest.raises(ValueError) as raised:
+        dbo.default_split((torch.zeros(4),), {"batch": batch}, 2)
+    message = str(raised.value)
+    assert "args[0]: 4" in message and "kwargs['batch']['ids']: 4" in message
+    assert "kwargs['batch']['extra'][1].x: 3" in message
+
+    def fn(x: torch.Tensor) -> dict[str, Any]:
+        return {"logits": x, "aux": Pair(x, f"ubatch {dbo.current_ubatch_id()}")}
+
+    with pytest.raises(ValueError, match=r"cannot merge output\['aux'\]\.tag: .*different"):
+        dbo.overlap(fn, timeout_s=TIMEOUT_S)(torch.zeros(4))
+
+
+def test_transformers_model_outputs_split_and_merge() -> None:
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+    output_type = modeling_outputs.MoeModelOutputWithPast
+
+    def fn(hidden: torch.Tensor) -> Any:
+        return output_type(last_hidden_state=hidden * 2, router_logits=(hidden[:, :1],))
+
+    hidden = torch.arange(12.0).reshape(6, 2)
+    out = dbo.overlap(fn, timeout_s=TIMEOUT_S)(hidden)
+    assert type(out) is output_type
+    assert torch.equal(out.last_hidden_state, hidden * 2)
+    assert torch.equal(out["last_hidden_state"], hidden * 2)  # item and attribute agree
+    assert torch.equal(out.router_logits[0], hidden[:, :1])
+    (part, _), _ = dbo.default_split((out,), {}, 2)
+    assert type(part[0]) is output_type and part[0].last_hidden_state.shape == (3, 2)

@@ -1,0 +1,162 @@
+"""`balanced_token_split`: contiguous token ranges of a ragged batch, one per ubatch."""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dbo._checks import check_num_ubatches
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """One ubatch's share of a ragged token batch."""
+
+    token_slice: slice
+    """The ubatch's tokens: rows of the flattened token batch."""
+    request_slice: slice
+    """The requests with at least one token in `token_slice` (a request split over two
+    ubatches appears in both)."""
+
+
+def balanced_token_split(
+    num_tokens_per_request: Sequence[int] | torch.Tensor,
+    num_ubatches: int,
+    *,
+    allow_straddle: bool = True,
+) -> list[TokenSplit]:
+    """Split a ragged batch of requests into `num_ubatches` contiguous token ranges.
+
+    Args:
+        num_tokens_per_request: token count of each request, in batch order.
+        num_ubatches: how many ubatches, in [1, 1024].
+        allow_straddle: if True, token counts differ by at most one and a request may
+            continue from one ubatch into the next; if False, the split falls on request
+            boundaries and minimises the largest ubatch's token count.
+
+    Returns one `TokenSplit` per ubatch, in order; the token slices tile `[0, total)`.
+    A ubatch is empty (zero tokens) only when there are fewer tokens (straddling) or fewer
+    requests with tokens (request boundaries) than ubatches.
+    """
+    num_ubatches = check_num_ubatches(num_ubatches)
+    if isinstance(num_tokens_per_request, torch.Tensor):
+        if num_tokens_per_request.ndim != 1:
+            raise ValueError(
+                "num_tokens_per_request must be 1-D, got shape "
+                f"{tuple(num_tokens_per_request.shape)}"
+            )
+        dtype = num_tokens_per_request.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(
+                "num_tokens_per_request must hold integer counts, got a tensor of "
+                f"{num_tokens_per_request.dtype}; convert it with .long() if that is meant"
+            )
+        counts = [int(c) for c in num_tokens_per_request.tolist()]
+    else:
+        counts = [_token_count(c) for c in num_tokens_per_request]
+    if any(c < 0 for c in counts):
+        raise ValueError(f"token counts must be >= 0, got {counts}")
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    total = starts[-1]
+    if allow_straddle:
+        base, extra = divmod(total, num_ubatches)
+        bounds = [0]
+        for i in range(num_ubatches):
+            bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    else:
+        bounds = _min_max_boundaries(starts, num_ubatches)
+    return [
+        TokenSplit(slice(lo, hi), _requests_touching(starts, lo, hi))
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
+
+
+def _token_count(count: Any) -> int:
+    """One entry of a list of token counts, as an int (TypeError naming the argument)."""
+    is_bool = isinstance(count, bool) or (
+        isinstance(count, torch.Tensor) and count.dtype == torch.bool
+    )
+    if not is_bool:  # operator.index takes a bool (and a bool tensor) as 0 or 1
+        try:
+            return operator.index(count)
+        except TypeError:
+            pass
+    raise TypeError(
+        f"num_tokens_per_request must hold integer counts, got {count!r} of type "
+        f"{type(count).__name__}"
+    )
+
+
+def _requests_touching(starts: list[int], lo: int, hi: int) -> slice:
+    """Requests r with tokens in [lo, hi): starts[r] < hi and starts[r + 1] > lo."""
+    if hi <= lo:
+        first = bisect.bisect_right(starts, lo) - 1
+        first = max(0, min(first, len(starts) - 1))
+        return slice(first, first)
+    first = bisect.bisect_right(starts, lo) - 1
+    last = bisect.bisect_left(starts, hi)  # one past the last request starting before hi
+    return slice(first, last)
+
+
+def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
+    """Token boundaries on request boundaries that minimise the largest ubatch.
+
+    The smallest feasible largest-ubatch size comes from a binary search with a greedy
+    feasibility pass. The split returned is the one that puts each boundary at the request
+    boundary nearest to the ideal `k * total / n` when that reaches the optimum without
+    leaving a ubatch empty (the common case, and the most even split), else a greedy split
+    at the optimum that keeps every ubatch non-empty when there are at least `n`
+    non-empty requests.
+    """
+    counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    total = starts[-1]
+    num_nonempty = sum(1 for count in counts if count > 0)
+    fill_all = num_nonempty >= num_ubatches
+
+    def greedy(limit: int, keep_nonempty: bool = False) -> list[int] | None:
+        bounds = [0]
+        filled = 0
+        nonempty_left = num_nonempty
+        for index, count in enumerate(counts):
+            # With `keep_nonempty`, once the non-empty requests left are no more than the
+            # ubatches after the current one, each of them opens its own ubatch.
+            if filled + count > limit or (
+                keep_nonempty and count > 0 and filled > 0
+                and nonempty_left <= num_ubatches - len(bounds)
+            ):
+                bounds.append(starts[index])
+                filled = 0
+            filled += count
+            nonempty_left -= count > 0
+        if len(bounds) > num_ubatches:
+            return None
+        return bounds + [total] * (num_ubatches + 1 - len(bounds))
+
+    lo, hi = max(counts, default=0), total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if greedy(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    nearest = [0]
+    for k in range(1, num_ubatches):
+        ideal = k * total / num_ubatches
+        index = bisect.bisect_left(starts, ideal)
+        candidates = [starts[j] for j in (index - 1, index) if 0 <= j < len(starts)]
+        cut = min(candidates, key=lambda c: (abs(c - ideal), c))
+        nearest.append(max(cut, nearest[-1]))
+    nearest.append(total)
+    sizes = [b - a for a, b in zip(nearest[:-1], nearest[1:])]
+    if max(sizes) <= lo and (min(sizes) > 0 or not fill_all):
+        return nearest
+    bounds = greedy(lo, keep_nonempty=fill_all)
+    assert bounds is not None, "the binary search ends on a feasible limit"
+    return bounds
