@@ -9,9 +9,8 @@ measurements.
     recv_x, recv_ids, handle = comm.moe.dispatch(x, topk_ids, num_experts)
     y = comm.moe.combine(expert_out, handle, topk_weights)
 
-Outside `dbo.overlap` every call is the plain torch.distributed op. Inside, each
-collective moves to the ubatch's comm stream and per-ubatch group, launches
-asynchronously, yields while in flight, then waits and moves back (`comm.collectives`).
+Outside `dbo.overlap` every call is the plain torch.distributed op; inside, see
+`comm.collectives`.
 """
 
 from comm import moe
@@ -34,19 +33,8 @@ from comm.groups import ubatch_groups
 from comm.moe import DispatchHandle
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "CollectiveWork",
-    "DispatchHandle",
-    "EmulatedLink",
-    "ReduceOp",
-    "TorchrunEnvironmentError",
-    "TransferHandle",
-    "all_gather_into_tensor",
-    "all_reduce",
-    "all_to_all_single",
-    "destroy_distributed",
-    "init_distributed",
-    "moe",
-    "reduce_scatter_tensor",
-    "ubatch_groups",
+    "DEFAULT_TIMEOUT_S", "CollectiveWork", "DispatchHandle", "EmulatedLink", "ReduceOp",
+    "TorchrunEnvironmentError", "TransferHandle", "all_gather_into_tensor", "all_reduce",
+    "all_to_all_single", "destroy_distributed", "init_distributed", "moe",
+    "reduce_scatter_tensor", "ubatch_groups",
 ]

@@ -1,15 +1,10 @@
 """Collectives left in flight by an aborted ubatch, settled before the process ends.
 
-A ubatch aborted at a yield while its collective is in flight never waits it (the error
-must reach the caller at once). gloo still runs the collective in its own threads, and a
-process that exits meanwhile ends in SIGABRT instead of with its error. So such a
-collective is kept here, and `settle()` (at exit, and in `comm.destroy_distributed`)
-waits until it is over, for a bounded time: a dead peer ends it at once, a live one
-that diverged at the group's timeout.
-
-Host-side (gloo) collectives only: an NCCL collective's Work completes only when the
-watchdog ends it, and keeping it would keep its GPU tensors; NCCL's teardown handles it.
-A forked child starts with an empty list (the parent's collectives never complete there).
+An aborted ubatch never waits its in-flight collective (the error reaches the caller at
+once), but gloo still runs it, and a process that exits meanwhile ends in SIGABRT. Such
+a collective is kept here until `settle()` (at exit, in `comm.destroy_distributed`) sees
+it over, waiting a bounded time. gloo only: NCCL's teardown handles its own collectives
+(keeping them would keep their GPU tensors). A forked child starts with an empty list.
 """
 
 from __future__ import annotations

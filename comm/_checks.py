@@ -30,10 +30,8 @@ class GroupFacts(NamedTuple):
     """Whether `group.name()` is nccl (also for backend "cpu:gloo,cuda:nccl")."""
 
 
-_known: dict[int, tuple[weakref.ref[dist.ProcessGroup], GroupFacts]] = {}
-"""id(group) -> (weak reference to the group, its facts), for groups this rank is a member
-of. Weak, so that a destroyed group is not kept alive; the reference also tells a reused
-id from the group."""
+_known: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupFacts] = weakref.WeakKeyDictionary()
+"""The groups this rank is a member of, and their facts (weakly: a destroyed group goes)."""
 
 _DIST_AVAILABLE = dist.is_available()
 _GroupMember = dist.GroupMember if _DIST_AVAILABLE else None
@@ -58,28 +56,16 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
 
 def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
     """`resolve_group(group)` and that group's `GroupFacts`; after a group's first call,
-    one dict lookup (and a registry check for a group other than the default)."""
+    one lookup (and a registry check for a group other than the default)."""
     key = _GroupMember.WORLD if group is None and _GroupMember is not None else group
-    entry = _known.get(id(key))
-    if entry is not None:
-        known = entry[0]()
-        if known is key and known is not None and (group is None or _still_registered(known)):
-            return known, entry[1]
+    if isinstance(key, dist.ProcessGroup):
+        facts = _known.get(key)
+        if facts is not None and (group is None or _still_registered(key)):
+            return key, facts
     resolved = _resolve_slowly(group)
     facts = GroupFacts(resolved.size(), backend_is_nccl(resolved))
-    _known[id(resolved)] = (weakref.ref(resolved, _forget(id(resolved))), facts)
+    _known[resolved] = facts
     return resolved, facts
-
-
-def _forget(key: int) -> Any:
-    """The callback that drops a dead group's entry (unless the id is reused since)."""
-
-    def forget(reference: weakref.ref[dist.ProcessGroup]) -> None:
-        entry = _known.get(key)
-        if entry is not None and entry[0] is reference:
-            del _known[key]
-
-    return forget
 
 
 def _resolve_slowly(group: Any) -> dist.ProcessGroup:
@@ -256,7 +242,37 @@ def check_pair(
     return output, input
 
 
-def check_rows(output: torch.Tensor, input: torch.Tensor) -> None:
+def check_all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None,
+    world_size: int,
+) -> tuple[list[int] | None, list[int] | None]:
+    """`all_to_all_single`'s tensors (checked by `check_pair`) and split sizes: no shared
+    byte, rows of one shape, sizes that add up; returns the split sizes as lists."""
+    check_no_shared_bytes(output, input)
+    shape = output.shape
+    same_shape = shape == input.shape
+    if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
+        _check_rows(output, input)
+    if output_split_sizes is None and input_split_sizes is None:
+        if same_shape and shape[0] % world_size == 0:
+            return None, None  # even splits of equal shapes: the common call
+        if shape[0] != input.shape[0]:
+            raise ValueError(
+                f"without split sizes, output and input must have the same dim 0 (even "
+                f"parts of it go to and come from each rank), got {shape[0]} (output) "
+                f"and {input.shape[0]} (input); pass output_split_sizes and "
+                "input_split_sizes"
+            )
+    return (
+        check_split_sizes("output_split_sizes", output_split_sizes, "output", output, world_size),
+        check_split_sizes("input_split_sizes", input_split_sizes, "input", input, world_size),
+    )
+
+
+def _check_rows(output: torch.Tensor, input: torch.Tensor) -> None:
     """`all_to_all_single` moves rows: both tensors need a dim 0 and one row shape."""
     if output.ndim == 0 or input.ndim == 0:
         raise ValueError(

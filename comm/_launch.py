@@ -1,16 +1,12 @@
 """Launching a checked collective on a process group.
 
-torch.distributed's functions (`dist.all_reduce`, ...) check their arguments, dispatch
-`__torch_function__`, view complex tensors as real, record the call inside a
-`dist._coalescing_manager`, and then call one method of the process group. `comm` has
-already checked the arguments, so for a plain call it calls that method itself, which
-saves host time on every collective (`benchmarks/host_overhead.py`).
-
-A plain call: a group of exactly `ProcessGroup`, tensors with no `__torch_function__` to
-honour (no such subclass, no active `TorchFunctionMode`), none complex, a group that is
-not coalescing, and no `torch.compile` tracing. Anything else goes through
-torch.distributed's function. Both paths pass the same options and wait the same way; a
-failure on the direct path is raised but not written to torch's `c10d_logger`.
+For a plain call `comm` calls the process group's method itself, skipping the argument
+checks and dispatch of torch.distributed's function (`comm` has checked already), which
+saves host time on every collective (`benchmarks/host_overhead.py`). Plain: a group of
+exactly `ProcessGroup`; no `__torch_function__` to honour (subclass or active mode); not
+complex; a group not coalescing; no `torch.compile` tracing. Anything else goes through
+torch.distributed's function. A failure on the direct path is raised but not written to
+torch's `c10d_logger`.
 """
 
 from __future__ import annotations
@@ -96,28 +92,21 @@ def _plain(group: dist.ProcessGroup, first: torch.Tensor, second: torch.Tensor) 
     )
 
 
-_options_cache: dict[tuple[type, bool, int], tuple[Any, Any]] = {}
-"""(options type, async_op, id of the reduce op) -> (reduce op, options). The entry holds
-its op, so that the id is not reused while cached. Sharing is safe: the process-group
-methods only read their options."""
-
-_MAX_CACHED_OPTIONS = 64
-"""At this many entries the cache starts over (an op made afresh per call is a new key
-each time)."""
+_options_cache: dict[tuple[type, bool, Any], Any] = {}
+"""(options type, async_op, `ReduceOp.RedOpType`) -> options, shared by every launch (the
+process-group methods only read their options)."""
 
 
 def _options(direct: _Direct, async_op: bool, reduce_op: Any) -> Any:
-    """The options for a reducing launch: cached for a `ReduceOp.RedOpType`, built each
-    time for a `ReduceOp` object (it may carry a scalar)."""
-    key = (direct.options_type, async_op, id(reduce_op))
-    cached = _options_cache.get(key)
-    if cached is not None and cached[0] is reduce_op:
-        return cached[1]
-    options = _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
-    if type(reduce_op) is _RedOpType:
-        if len(_options_cache) >= _MAX_CACHED_OPTIONS:
-            _options_cache.clear()  # the ops in use come back at their next call
-        _options_cache[key] = (reduce_op, options)
+    """The options for a reducing launch: cached per `ReduceOp.RedOpType` (a small enum),
+    built each time for a `ReduceOp` object (it may carry a scalar)."""
+    if type(reduce_op) is not _RedOpType:
+        return _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
+    key = (direct.options_type, async_op, reduce_op)
+    options = _options_cache.get(key)
+    if options is None:
+        options = _new_options(direct.options_type, direct.has_async_op, async_op, reduce_op)
+        _options_cache[key] = options
     return options
 
 

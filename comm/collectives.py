@@ -10,18 +10,15 @@ stays there. With `async_op=True` the launch returns at once on the compute stre
 the handle's first `wait()` yields, then waits.
 
 A blocking call yields exactly once, an async one once at its first `wait()`, whatever
-the timing: the order in which ranks launch collectives depends only on the program.
-Do not branch on `is_completed()` inside an overlap (collectives would mismatch).
-
-Arguments are checked on the host before anything is launched (TypeError / ValueError
-naming the values); a refused call launches nothing, and its peers wait until the
-group's timeout. Split sizes agreeing between ranks cannot be checked locally;
-`comm.moe.dispatch` exchanges counts so that they always do.
+the timing, so the launch order depends only on the program (do not branch on
+`is_completed()` inside an overlap). Arguments are checked on the host before anything
+is launched (TypeError / ValueError naming the values); a refused call launches nothing,
+and its peers wait until the group's timeout. Split sizes agreeing between ranks cannot
+be checked locally; `comm.moe.dispatch` exchanges counts so that they always do.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 import weakref
@@ -35,11 +32,9 @@ import torch.distributed as dist
 import dbo
 from comm import _abandoned, _launch
 from comm._checks import (
+    check_all_to_all,
     check_async_op,
-    check_no_shared_bytes,
     check_pair,
-    check_rows,
-    check_split_sizes,
     require_backend_device,
     require_contiguous,
     require_reduce_op,
@@ -65,13 +60,10 @@ class CollectiveWork:
     `wait()` returns True, as torch's `Work.wait`; inside the launching overlap its first
     call yields once first. CUDA: the *current* stream waits (not the host). gloo: the
     host blocks (GIL released). The tensors stay referenced until a wait has ended.
-
-    After a successful wait, later waits return True at once. A failed wait (a peer's
-    failure, the group's timeout, an abort at the yield) raises the original error, and
-    every later wait a RuntimeError chained to it (`raise ... from`). Only a wait's own
-    `timeout` passing while the collective is in flight leaves the handle in flight.
-    A failed handle keeps its error (and so the failed call's frames) until it is dropped.
-
+    Later waits return True at once after a success. A failed wait (a peer's failure,
+    the group's timeout, an abort at the yield) raises the original error, every later
+    wait a RuntimeError chained to it; only a wait's own `timeout` passing leaves the
+    handle in flight. A failed handle keeps its error until it is dropped.
     `get_future()` and `result()` are the underlying `Work`'s (no yield, not a wait). A
     handle still in flight when its ubatch's function returns is waited then (no yield).
     """
@@ -194,11 +186,10 @@ class _ExitCell:
     def __init__(self, handle: CollectiveWork) -> None:
         self.handle: CollectiveWork | None = handle
 
-
-def _wait_left_over(cell: _ExitCell) -> None:
-    """At a ubatch's end: wait the handle in `cell` unless its wait() emptied it."""
-    if cell.handle is not None:
-        cell.handle.wait(yield_first=False)
+    def __call__(self) -> None:
+        """At the ubatch's end: wait the handle unless its own wait emptied the cell."""
+        if self.handle is not None:
+            self.handle.wait(yield_first=False)
 
 
 def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any) -> None:
@@ -217,16 +208,6 @@ def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any
     finally:
         # Interned: a trace keeps up to a million spans, all sharing one label string.
         recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())
-
-
-
-
-def _protect(tensors: Sequence[torch.Tensor], stream: torch.cuda.Stream) -> None:
-    """Keep the CUDA caching allocator from reusing `tensors` before `stream` is past
-    them. CPU tensors need nothing."""
-    for tensor in tensors:
-        if tensor.is_cuda:
-            tensor.record_stream(stream)
 
 
 def _run(
@@ -253,14 +234,17 @@ def _run(
         dbo.switch_to_comm()
     try:
         work = launch(ubatch_group, *args, True)
-        if on_cuda:
-            _protect(tensors, dbo.current_stream())  # comm's, after the switch
+        if on_cuda:  # keep the caching allocator from reusing them before the comm stream
+            comm_stream = dbo.current_stream()
+            for tensor in tensors:
+                if tensor.is_cuda:
+                    tensor.record_stream(comm_stream)
         if async_op:
             handle = CollectiveWork(work, tensors, yields=True, name=name)
             # Waited at the ubatch's end if never waited, so the overlap's end covers it.
             cell = _ExitCell(handle)
             handle._exit_cell = weakref.ref(cell)
-            dbo.at_ubatch_exit(functools.partial(_wait_left_over, cell))
+            dbo.at_ubatch_exit(cell)
             return handle
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
@@ -296,35 +280,9 @@ def all_to_all_single(
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, base, facts)
-    check_no_shared_bytes(output, input)
-    shape = output.shape
-    same_shape = shape == input.shape
-    if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
-        check_rows(output, input)
-    world_size = facts.size
-    if (  # even splits of equal shapes: nothing more to check (the common call)
-        same_shape
-        and output_split_sizes is None
-        and input_split_sizes is None
-        and shape[0] % world_size == 0
-    ):
-        output_splits = input_splits = None
-    else:
-        if output_split_sizes is None and input_split_sizes is None and (
-            shape[0] != input.shape[0]
-        ):
-            raise ValueError(
-                f"without split sizes, output and input must have the same dim 0 (even "
-                f"parts of it go to and come from each rank), got {shape[0]} (output) "
-                f"and {input.shape[0]} (input); pass output_split_sizes and "
-                "input_split_sizes"
-            )
-        output_splits = check_split_sizes(
-            "output_split_sizes", output_split_sizes, "output", output, world_size
-        )
-        input_splits = check_split_sizes(
-            "input_split_sizes", input_split_sizes, "input", input, world_size
-        )
+    output_splits, input_splits = check_all_to_all(
+        output, input, output_split_sizes, input_split_sizes, facts.size
+    )
     return _run(
         "all_to_all_single", _launch.all_to_all_single,
         (output, input, output_splits, input_splits), (output, input), base, async_op,

@@ -79,9 +79,20 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
-def _ranks_from_env(single: bool) -> tuple[int, int, int]:
-    """(RANK, WORLD_SIZE, LOCAL_RANK), checked against each other; a single process takes
-    (0, 1, 0) for what its environment leaves out."""
+def _ranks_from_env(allow_single_process: bool) -> tuple[bool, int, int, int]:
+    """(single, RANK, WORLD_SIZE, LOCAL_RANK), checked against each other; a single
+    process takes (0, 1, 0) for what its environment leaves out. A partial environment
+    that says there are several ranks (WORLD_SIZE != 1, or a RANK or LOCAL_RANK != 0
+    without it) is a launch mistake, never a world of one."""
+    environ = os.environ
+    missing = [name for name in TORCHRUN_ENV_VARS if name not in environ]
+    if "WORLD_SIZE" in environ:
+        several = environ["WORLD_SIZE"] != "1"
+    else:
+        several = "RANK" in environ or environ.get("LOCAL_RANK", "0") != "0"
+    if missing and (several or not allow_single_process):
+        raise TorchrunEnvironmentError(_torchrun_hint(missing))
+    single = bool(missing)
     defaults = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
     rank, world_size, local_rank = (
         _env_int(name) if name in os.environ or not single else default
@@ -95,7 +106,7 @@ def _ranks_from_env(single: bool) -> tuple[int, int, int]:
         )
     if local_rank < 0:
         raise ValueError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
-    return rank, world_size, local_rank
+    return single, rank, world_size, local_rank
 
 
 def _resolve_device(
@@ -124,9 +135,8 @@ def init_distributed(
 
     Args:
         backend: "nccl", "gloo", ...; None: NCCL for a CUDA device, gloo otherwise.
-        device: this process's device; None: `cuda:LOCAL_RANK` when CUDA is available
-            (and the backend is not gloo), else CPU. A CUDA device becomes the current
-            device (`torch.cuda.set_device`).
+        device: None: `cuda:LOCAL_RANK` when CUDA is available (and the backend is not
+            gloo), else CPU. A CUDA device becomes the current device.
         timeout_s: how long a collective waits for its peers before raising (a dead or
             diverged peer becomes an error, not a hang). In a world initialized
             elsewhere it applies only to the per-ubatch groups created here.
@@ -135,15 +145,31 @@ def init_distributed(
         num_ubatch_groups: per-ubatch duplicates of the default group to create
             (`comm.ubatch_groups`); 0 creates none, nor does a world of one.
 
-    Idempotent: once torch.distributed is initialized, later calls return the same
-    triple (a world initialized elsewhere is adopted; its duplicates are created by the
-    first call here, on every rank). A later call naming another backend or device
-    raises ValueError; its `timeout_s` and `num_ubatch_groups` are not applied.
-
+    Idempotent: later calls return the same triple; a world initialized elsewhere is
+    adopted (its duplicates created by the first call here, on every rank). A later call
+    naming another backend or device raises ValueError; its other arguments are ignored.
     Raises `TorchrunEnvironmentError` (a RuntimeError) showing the torchrun command when
     the environment is missing or partial, ValueError for contradictory arguments or
     environment values, RuntimeError inside an overlap.
     """
+    _check_arguments(backend, timeout_s, num_ubatch_groups)
+    if dist.is_initialized():
+        _adopt(backend, device, float(timeout_s))
+    else:
+        _init_process_group(backend, device, float(timeout_s), allow_single_process)
+        group_registry().timeout_s = float(timeout_s)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if not _state.ubatch_groups_done:
+        if num_ubatch_groups > 0 and world_size > 1:
+            ubatch_groups(None, num_ubatch_groups)
+        _state.ubatch_groups_done = True
+    world_group = dist.GroupMember.WORLD
+    _state.world = weakref.ref(world_group) if world_group is not None else None
+    assert _state.device is not None, "set by the first initialization"
+    return rank, world_size, _state.device
+
+
+def _check_arguments(backend: Any, timeout_s: Any, num_ubatch_groups: Any) -> None:
     if dbo.enabled():
         raise RuntimeError(
             "comm.init_distributed() was called inside dbo.overlap; initialize once per "
@@ -166,37 +192,22 @@ def init_distributed(
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")
 
-    if dist.is_initialized() and (
-        _state.world is None or _state.world() is not dist.GroupMember.WORLD
-    ):
-        # A world started with torch's own calls since: decide its device and groups.
+
+def _adopt(backend: str | None, device: torch.device | str | int | None, timeout_s: float) -> None:
+    """A live world: refuse a call that contradicts it; adopt a world started elsewhere
+    (or again with torch's own calls) with this call's device and timeout."""
+    if _state.world is None or _state.world() is not dist.GroupMember.WORLD:
         _state.device = None
         _state.ubatch_groups_done = False
-    if dist.is_initialized():
-        _refuse_other_backend(backend)
-        if _state.device is not None:  # (a world adopted below takes `device` as given)
-            _refuse_other_device(device, backend, _state.device)
-    if not dist.is_initialized():
-        _init_process_group(backend, device, float(timeout_s), allow_single_process)
-        group_registry().timeout_s = float(timeout_s)
-    elif _state.device is None:
-        # A world initialized elsewhere: adopt it, with this call's timeout for the
-        # duplicates and the device made current.
-        _state.device = _resolve_device(
-            device, str(dist.get_backend()), int(os.environ.get("LOCAL_RANK", "0"))
-        )
-        if _state.device.type == "cuda":
-            torch.cuda.set_device(_state.device)
-        group_registry().timeout_s = float(timeout_s)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if not _state.ubatch_groups_done:
-        if num_ubatch_groups > 0 and world_size > 1:
-            ubatch_groups(None, num_ubatch_groups)
-        _state.ubatch_groups_done = True
-    world_group = dist.GroupMember.WORLD
-    _state.world = weakref.ref(world_group) if world_group is not None else None
-    assert _state.device is not None, "set by the first initialization"
-    return rank, world_size, _state.device
+    _refuse_other_backend(backend)
+    if _state.device is not None:
+        _refuse_other_device(device, backend, _state.device)
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _state.device = _resolve_device(device, str(dist.get_backend()), local_rank)
+    if _state.device.type == "cuda":
+        torch.cuda.set_device(_state.device)
+    group_registry().timeout_s = timeout_s
 
 
 _START_ANOTHER = "call comm.destroy_distributed() on every rank first to start another"
@@ -234,19 +245,7 @@ def _init_process_group(
     timeout_s: float,
     allow_single_process: bool,
 ) -> None:
-    missing = [name for name in TORCHRUN_ENV_VARS if name not in os.environ]
-    # A partial environment that says there are several ranks (WORLD_SIZE != 1, or a
-    # RANK or LOCAL_RANK != 0 without it) is a launch mistake, never a world of one.
-    environ = os.environ
-    if "WORLD_SIZE" in environ:
-        several = environ["WORLD_SIZE"] != "1"
-    else:
-        several = "RANK" in environ or environ.get("LOCAL_RANK", "0") != "0"
-    partial = bool(missing) and several
-    if missing and (partial or not allow_single_process):
-        raise TorchrunEnvironmentError(_torchrun_hint(missing))
-    single = bool(missing)
-    rank, world_size, local_rank = _ranks_from_env(single)
+    single, rank, world_size, local_rank = _ranks_from_env(allow_single_process)
     resolved = _resolve_device(device, backend, local_rank)
     if backend is None:
         backend = "nccl" if resolved.type == "cuda" else "gloo"

@@ -1,10 +1,5 @@
-"""An emulated network link: fixed latency plus bandwidth, for single-process measurements.
-
-Lets one process measure how much communication DBO hides without a network: a transfer
-"takes" `latency_s + num_bytes / bandwidth_bytes_per_s` on the link, transfers queue
-FIFO (one starts when the link is free), and the host is not busy meanwhile.
-
-The pattern inside an overlap is launch, yield, wait:
+"""An emulated network link (fixed latency plus bandwidth, FIFO) to measure in one
+process how much communication DBO hides, with no network. Inside an overlap:
 
     handle = link.transfer(x)
     dbo.yield_()            # the other ubatch computes while x is "on the wire"
@@ -60,18 +55,15 @@ class TransferHandle:
 
 
 class EmulatedLink:
-    """A link with a fixed latency and an optional bandwidth, FIFO.
+    """A link with a fixed latency (`latency_s` >= 0) and an optional bandwidth
+    (`bandwidth_bytes_per_s`; None: latency only): a transfer takes `latency_s +
+    num_bytes / bandwidth_bytes_per_s`.
 
-    Args:
-        latency_s: time every transfer takes on top of its bytes, >= 0.
-        bandwidth_bytes_per_s: bytes per second; None means unlimited (latency only).
-
-    CPU tensors: the completion time is fixed at launch, so the link needs no thread and
-    no CPU; the delivered tensor is the input itself (no copy); FIFO across all callers.
-    CUDA tensors: a sleep kernel of the transfer's duration, then a copy, on the current
-    stream (in an overlap, switch to the ubatch's comm stream first); the delivered tensor
-    is that copy. FIFO per stream only: transfers on two ubatches' comm streams run at the
-    same time, as if each ubatch had a link of its own.
+    CPU tensors: the completion time is fixed at launch (no thread, no CPU); the
+    delivered tensor is the input itself; FIFO across all callers. CUDA tensors: a sleep
+    kernel of the transfer's duration, then a copy, on the current stream (in an
+    overlap, switch to the comm stream first); FIFO per stream, so two ubatches' comm
+    streams each get a link of their own.
     """
 
     def __init__(self, latency_s: float, bandwidth_bytes_per_s: float | None = None) -> None:

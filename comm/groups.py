@@ -46,12 +46,10 @@ class UBatchGroupRegistry:
         self._lock = threading.Lock()
         self._duplicates: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
         self._is_duplicate: set[dist.ProcessGroup] = set()
+        # As a non-member, per (ranks, backend, key): what the members count per group.
         self._created_as_non_member: dict[tuple[tuple[int, ...], str, Hashable], int] = {}
-        """Duplicates this rank helped create as a non-member, per (ranks, backend, key):
-        the count the members keep per group object (calls with a `key` only)."""
         self.timeout_s: float | None = None
-        self._world: weakref.ref[dist.ProcessGroup] | None = None
-        """The default group the non-member counts are about (weakly)."""
+        self._world: weakref.ref[dist.ProcessGroup] | None = None  # of those counts
 
     def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
         """The group ubatch `ubatch_id` uses for `base`: duplicate `ubatch_id % n`, else
@@ -61,9 +59,9 @@ class UBatchGroupRegistry:
             return base
         return duplicates[ubatch_id % len(duplicates)]
 
-    def get_or_create(self, base: dist.ProcessGroup, num_ubatches: int) -> tuple[
-        dist.ProcessGroup, ...
-    ]:
+    def get_or_create(
+        self, base: dist.ProcessGroup, num_ubatches: int
+    ) -> tuple[dist.ProcessGroup, ...]:
         with self._lock:
             if base in self._is_duplicate:
                 raise ValueError(
@@ -204,27 +202,20 @@ def ubatch_groups(
     ranks: list[int] | None = None,
     key: Hashable = None,
 ) -> tuple[dist.ProcessGroup, ...]:
-    """Create (once) and return `num_ubatches` duplicates of `group`, one per ubatch.
+    """Create (once) and return `num_ubatches` duplicates of `group` (None: the default
+    group); inside an overlap `comm`'s collectives on `group` then run ubatch i on
+    duplicate `i % n`, outside one they keep using `group`.
 
-    A collective over the whole world whenever it creates duplicates: every rank of the
-    world calls it, in the same order relative to its other group creations, outside
-    any overlap (inside one it only returns existing duplicates, else RuntimeError). It
-    creates only the duplicates `group` does not have yet. Afterwards `comm`'s
-    collectives on `group` (None: the default group) run ubatch i on duplicate `i % n`
-    inside an overlap; outside an overlap they keep using `group`.
+    A collective over the world whenever it creates duplicates: every rank of the world
+    calls it, in the same order relative to its other group creations, outside any
+    overlap (inside one it only returns existing duplicates, else RuntimeError).
 
     A non-member (it got `GroupMember.NON_GROUP_MEMBER` from `new_group`) passes that
-    value and `ranks=` the group's ranks, and gets `()`. Without `key=` it takes part in
-    creating `num_ubatches` groups at every call, so call once per base group; with
-    `key=` (a hashable naming the base group, the same on every rank; members ignore
-    `ranks=` and `key=`) repeated calls stay in step with the members. A key names one
-    group object: use a new key for a base group created again.
-
-    Args:
-        group: the base group; None: the default (world) group.
-        num_ubatches: how many duplicates, in [1, 1024].
-        ranks: on a non-member only (required there): the base group's ranks.
-        key: on a non-member: which base group this is.
+    value and `ranks=` (the base group's ranks), and gets `()`. Without `key=` it takes
+    part in creating `num_ubatches` groups at every call, so call once per base group;
+    with `key=` (a hashable naming the base group, the same on every rank; members
+    ignore `ranks=` and `key=`) repeated calls stay in step with the members. A key
+    names one group object: use a new key for a base group created again.
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     try:  # on every rank, so that a bad call raises alike on members and non-members

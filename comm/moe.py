@@ -5,28 +5,20 @@
     expert_out = run_local_experts(recv_x, recv_local_expert_ids)   # row for row
     y = comm.moe.combine(expert_out, handle, topk_weights)
 
-Rank r owns global experts `[r * E_local, (r + 1) * E_local)`, `E_local = num_experts //
-world_size`. Each (token, k) pair is one row on the wire. Counts are exchanged first, so
-uneven loads and ranks that send or receive nothing work. Both calls go through
-`comm.all_to_all_single`: inside an overlap they yield while in flight (`dispatch` twice,
-`combine` once); outside they block. Results are bitwise those of the same calls made
-serially on the same ubatch split.
+Rank r owns experts `[r * E_local, (r + 1) * E_local)`; each (token, k) pair is one row
+on the wire; counts are exchanged first, so uneven loads and empty ranks work. Inside an
+overlap the all-to-alls yield while in flight (`dispatch` twice, `combine` once);
+outside they block. Results are bitwise those of the same calls made serially.
 
-Backward. Both are differentiable (the gradient takes the same all-to-all back), and a
-backward all-to-all is a collective, so every rank must run the same ones in the same
-order. Autograd orders nodes recorded in different threads by per-thread counters, which
-data-dependent code changes per rank; so each differentiable exchange takes zero-element
-*order tokens* as inputs and returns one, and autograd runs its backward before that of
-every exchange whose token it took:
-  - `combine` takes `dispatch`'s token (in the handle): its backward exists on every rank
-    whose `dispatch` has one, sending zeros where `expert_out` needs no grad;
-  - inside an overlap every exchange of the run takes the run's latest token (in
-    `dbo.run_state()`) and publishes its own before it yields, so the run's exchanges
-    form one chain in launch order, the same on every rank.
-When nothing before `combine` requires grad (only the experts train), `combine` in grad
-mode first all-reduces one flag (does any rank's `expert_out` require grad?) so that
-every rank records its backward or none does. Tokens exist only in grad mode when
-something requires grad; inference builds none. Gradients are first order only.
+Backward: the gradient takes the same all-to-all back, and every rank must run those
+collectives in the same order, which autograd does not give for graphs recorded in
+several threads. So each differentiable exchange takes zero-element *order tokens* and
+returns one, and its backward runs before those of the exchanges whose tokens it took:
+`combine` takes `dispatch`'s (so its backward exists wherever `dispatch`'s does), and
+inside an overlap each exchange takes the run's latest (`dbo.run_state()`) and publishes
+its own before it yields: one chain in launch order, the same on every rank. When only
+the experts train, `combine` in grad mode first all-reduces whether any rank's
+`expert_out` requires grad. Inference builds no tokens; gradients are first order.
 """
 
 from __future__ import annotations
@@ -52,27 +44,21 @@ class DispatchHandle:
     Valid for one `combine` on the same ranks (the same ubatch, inside an overlap).
     """
 
-    group: dist.ProcessGroup
-    """The base group the tokens were dispatched over."""
-    num_tokens: int
-    """T: rows of the `x` given to `dispatch`."""
-    topk: int
-    """K: experts per token."""
-    num_local_experts: int
-    """E_local: experts per rank."""
+    group: dist.ProcessGroup  # the base group the tokens were dispatched over
+    num_tokens: int  # T: rows of dispatch's `x`
+    topk: int  # K: experts per token
+    num_local_experts: int  # E_local: experts per rank
     sort_order: torch.Tensor
-    """[T * K] int64: the sent row j is the (token, k) pair `sort_order[j]` (flattened
-    `token * K + k`); pairs are sorted by global expert id (stable)."""
-    send_splits: tuple[int, ...]
-    """Rows sent to each rank (one entry per rank)."""
-    recv_splits: tuple[int, ...]
-    """Rows received from each rank (one entry per rank)."""
+    """[T * K] int64: sent row j is the (token, k) pair `sort_order[j]` (`token * K + k`),
+    pairs sorted by global expert id (stable)."""
+    send_splits: tuple[int, ...]  # rows sent to each rank
+    recv_splits: tuple[int, ...]  # rows received from each rank
     num_recv_tokens_per_expert: torch.Tensor
-    """[world_size, E_local] int64 on the host: rows received from rank s for local
-    expert e; `recv_x` holds them source-major, expert-minor."""
+    """[world_size, E_local] int64 on the host: rows received from rank s for local expert
+    e; `recv_x` holds them source-major, expert-minor."""
     order_token: torch.Tensor | None = None
-    """A zero-element float32 tensor that requires grad, from `dispatch`'s row exchange,
-    or None when that exchange recorded no graph; `combine` takes it (module docstring)."""
+    """Zero-element float32, requires grad: the token of `dispatch`'s row exchange, for
+    `combine` to take; None when that exchange recorded no graph (module docstring)."""
 
     @property
     def num_recv_tokens(self) -> int:
@@ -94,40 +80,20 @@ def dispatch(
         num_experts: total experts over the group, divisible by its size.
         group: the expert-parallel group; None: the default group.
 
-    Returns:
-        recv_x: [R, H], x.dtype, on x's device: the rows this rank's experts must
-            process, grouped by source rank, then by local expert, then in the source's
-            (token, k) order (`handle.num_recv_tokens_per_expert` gives the group sizes).
-        recv_local_expert_ids: [R] int64 in `[0, E_local)`: the local expert of each row.
-        handle: for `combine`.
+    Returns `(recv_x, recv_local_expert_ids, handle)`: `recv_x` [R, H] (x's dtype and
+    device), the rows this rank's experts process, grouped by source rank, then local
+    expert, then the source's (token, k) order; `recv_local_expert_ids` [R] int64 in
+    `[0, E_local)`; `handle` for `combine`.
 
-    Streams: inside an overlap the all-to-alls run on the ubatch's comm stream; the
-    results are ready on its compute stream when `dispatch` returns. On CUDA the split
-    sizes are read on the host (two synchronizations).
-
-    Raises TypeError / ValueError before any communication for a bad shape, dtype,
-    device, `num_experts` not divisible by the group size, or an expert id out of range
-    (the other ranks then wait until the group's timeout).
+    Inside an overlap the all-to-alls run on the ubatch's comm stream; the results are
+    ready on its compute stream on return. On CUDA the split sizes are read on the host
+    (two synchronizations). Raises TypeError / ValueError before any communication for a
+    bad shape, dtype, device, `num_experts` or expert id (the other ranks then wait
+    until the group's timeout).
     """
     base = resolve_group(group)
-    x = require_tensor("x", x)
-    topk_ids = require_tensor("topk_ids", topk_ids)
     world_size = base.size()
-    num_experts = _check_num_experts(num_experts, world_size)
-    if x.ndim != 2:
-        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or (
-        topk_ids.dtype == torch.bool
-    ):
-        raise TypeError(
-            f"topk_ids must be an integer tensor (e.g. torch.int64), got {topk_ids.dtype}"
-        )
-    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
-        raise ValueError(
-            f"topk_ids must be [num_tokens, k] with num_tokens = x.shape[0] = {x.shape[0]} "
-            f"and k >= 1, got shape {tuple(topk_ids.shape)}"
-        )
-    require_same_device("x", x, "topk_ids", topk_ids)
+    x, topk_ids, num_experts = _check_dispatch(x, topk_ids, num_experts, world_size)
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
@@ -136,20 +102,7 @@ def dispatch(
     clamped_ids = flat_ids.clamp(0, num_experts - 1)
     counts_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts_per_expert.scatter_add_(0, clamped_ids, torch.ones_like(clamped_ids))  # [E]
-    counts_per_rank = counts_per_expert.view(world_size, num_local_experts).sum(dim=1)
-    if flat_ids.numel() > 0:
-        # One host read (one synchronization on CUDA) for the range check and the splits.
-        low, high = torch.aminmax(flat_ids)
-        low_value, high_value, *send_splits = torch.cat(
-            [low.view(1), high.view(1), counts_per_rank]
-        ).tolist()
-        if low_value < 0 or high_value >= num_experts:
-            raise ValueError(
-                f"topk_ids must be in [0, num_experts) = [0, {num_experts}), got values in "
-                f"[{low_value}, {high_value}]"
-            )
-    else:
-        send_splits = [0] * world_size
+    send_splits = _send_splits(flat_ids, counts_per_expert, num_experts, world_size)
     sort_order = torch.argsort(flat_ids, stable=True)
     send_rows = x.index_select(0, torch.div(sort_order, topk, rounding_mode="floor"))
 
@@ -179,26 +132,81 @@ def dispatch(
     return recv_x, recv_local_expert_ids, handle
 
 
+def _check_dispatch(
+    x: Any, topk_ids: Any, num_experts: Any, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    x = require_tensor("x", x)
+    topk_ids = require_tensor("topk_ids", topk_ids)
+    num_experts = _check_num_experts(num_experts, world_size)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or (
+        topk_ids.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"topk_ids must be an integer tensor (e.g. torch.int64), got {topk_ids.dtype}"
+        )
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids must be [num_tokens, k] with num_tokens = x.shape[0] = {x.shape[0]} "
+            f"and k >= 1, got shape {tuple(topk_ids.shape)}"
+        )
+    require_same_device("x", x, "topk_ids", topk_ids)
+    return x, topk_ids, num_experts
+
+
+def _send_splits(
+    flat_ids: torch.Tensor, counts_per_expert: torch.Tensor, num_experts: int, world_size: int
+) -> list[int]:
+    """Rows for each rank, read on the host with the ids' range check (ValueError), in
+    one host read (one synchronization on CUDA)."""
+    if flat_ids.numel() == 0:
+        return [0] * world_size
+    counts_per_rank = counts_per_expert.view(world_size, -1).sum(dim=1)
+    low, high = torch.aminmax(flat_ids)
+    low_value, high_value, *send_splits = torch.cat(
+        [low.view(1), high.view(1), counts_per_rank]
+    ).tolist()
+    if low_value < 0 or high_value >= num_experts:
+        raise ValueError(
+            f"topk_ids must be in [0, num_experts) = [0, {num_experts}), got values in "
+            f"[{low_value}, {high_value}]"
+        )
+    return send_splits
+
+
 def combine(
     expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor
 ) -> torch.Tensor:
     """Send expert outputs back and sum them per token: `y[t] = sum_k w[t, k] * out(t, k)`.
 
-    Args:
-        expert_out: [R, H_out], row i the expert output for `recv_x[i]` of the `dispatch`
-            that returned `handle` (R = `handle.num_recv_tokens`; H_out may differ from H).
-        handle: from that `dispatch`.
-        topk_weights: [T, K] floating weights, same device as `expert_out`.
+    `expert_out` [R, H_out]: row i the expert output for `recv_x[i]` of the `dispatch`
+    that returned `handle` (H_out may differ from H). `topk_weights` [T, K] floating,
+    same device. Returns `y` [T, H_out] in the original token order, in `expert_out`'s
+    dtype (summed over k in order in the promoted dtype of the two).
 
-    Returns:
-        y: [T, H_out] in the original token order, dtype of `expert_out` (the weighted sum
-        is computed in the promoted dtype of `expert_out` and `topk_weights`, summing
-        over k in order 0..K-1).
-
-    Streams and overlap: as `dispatch` (one all-to-all, one yield inside an overlap;
-    one more small all-reduce when only the experts train, module docstring).
-    Raises TypeError / ValueError before any communication for bad shapes or dtypes.
+    As `dispatch`: one all-to-all, one yield inside an overlap (plus one small
+    all-reduce when only the experts train, module docstring). Raises TypeError /
+    ValueError before any communication for bad shapes or dtypes.
     """
+    expert_out, topk_weights = _check_combine(expert_out, handle, topk_weights)
+    hidden = int(expert_out.shape[1])
+    anchor = handle.order_token
+    if anchor is None and torch.is_grad_enabled() and not _run_has_order_token():
+        anchor = _agree_on_grad(expert_out, handle.group)
+    returned, _ = _exchange_rows(
+        expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor
+    )
+    # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
+    per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
+    dtype = torch.promote_types(expert_out.dtype, topk_weights.dtype)
+    pairs = per_pair.view(handle.num_tokens, handle.topk, hidden).to(dtype)
+    return (pairs * topk_weights.to(dtype).unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
+
+
+def _check_combine(
+    expert_out: Any, handle: Any, topk_weights: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(handle, DispatchHandle):
         raise TypeError(
             f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}"
@@ -224,21 +232,7 @@ def combine(
             f"expert_out is on {expert_out.device} but dispatch ran on "
             f"{handle.sort_order.device}; keep the expert outputs on the tokens' device"
         )
-
-    hidden = int(expert_out.shape[1])
-    anchor = handle.order_token
-    if anchor is None and torch.is_grad_enabled() and not _run_has_order_token():
-        anchor = _agree_on_grad(expert_out, handle.group)
-    returned, _ = _exchange_rows(
-        expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor
-    )
-    # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
-    per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
-    dtype = torch.promote_types(expert_out.dtype, topk_weights.dtype)
-    weighted = per_pair.view(handle.num_tokens, handle.topk, hidden).to(dtype) * topk_weights.to(
-        dtype
-    ).unsqueeze(-1)
-    return weighted.sum(dim=1).to(expert_out.dtype)
+    return expert_out, topk_weights
 
 
 _ORDER_TOKEN_KEY = "comm.moe.order_token"
@@ -325,18 +319,15 @@ def _send_rows(
 
 
 class _ExchangeRows(torch.autograd.Function):
-    """`all_to_all_single` of rows that autograd differentiates: the gradient of the
-    received rows takes the same exchange back, splits swapped.
+    """`all_to_all_single` of rows that autograd differentiates: the gradient takes the
+    same exchange back, splits swapped.
 
-    Inputs: `rows`, the splits, the group, `pending` (None: blocking; a list: launch
-    only, and append the `CollectiveWork` for the caller to wait), then any number of
-    order tokens. Outputs: the received rows and a new zero-element float32 token. The
-    backward returns a zero-element gradient per token taken, so autograd runs this
-    exchange's backward before those whose tokens it took (module docstring).
-
-    The backward runs where autograd runs it (usually outside any overlap, blocking).
-    First order only: a backward with `create_graph=True` raises on every rank before its
-    exchange, rather than return a second order that lacks the exchange's part.
+    Inputs: `rows`, the splits, the group, `pending` (None: blocking; a list: launch only
+    and append the `CollectiveWork`), then any order tokens. Outputs: the received rows
+    and a new zero-element float32 token; the backward returns a zero-element gradient
+    per token taken. The backward runs where autograd runs it (usually outside an
+    overlap, blocking). A backward with `create_graph=True` raises on every rank before
+    its exchange, rather than return a second order that lacks the exchange's part.
     """
 
     @staticmethod
