@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm  # noqa: E402
 import dbo  # noqa: E402
-from dbo._wakeup import Wakeup  # noqa: E402
+from dbo._wakeup import new_wakeup  # noqa: E402
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -58,13 +58,12 @@ class BareThreads:
     """Two persistent threads, each started per call and parked between turns on the
     wake-ups dbo's baton uses (`dbo._wakeup`: an eventfd on Linux), joined through
     `_thread` locks: what any runtime running each ubatch in its own thread pays per
-    call, at least. (With locks for every wake-up, as before the eighth session, the
-    floor was ~25 us higher per call, so "added" read that much lower.)"""
+    call, at least."""
 
     def __init__(self, body: Callable[[int], Any]) -> None:
         self._body = body
-        self._start = [Wakeup(), Wakeup()]
-        self._turn = [Wakeup(), Wakeup()]
+        self._start = [new_wakeup(), new_wakeup()]
+        self._turn = [new_wakeup(), new_wakeup()]
         self._done = [_thread.allocate_lock(), _thread.allocate_lock()]
         for lock in self._done:
             lock.acquire()

@@ -13,8 +13,7 @@ their batons) park on, run the same calls in interleaved rounds:
     that delay the ubatch that woke? On both cores it did not measurably).
 Printed: microseconds per call for each kind, the median of the per-round ratios
 eventfd / lock (paired: the host's drift cancels), and the context switches per call
-(`getrusage`: voluntary + involuntary, whole process). See docs/architecture.md,
-"What a handoff costs", for why the counts differ.
+(`getrusage`: voluntary + involuntary, whole process).
 """
 
 from __future__ import annotations
@@ -30,18 +29,17 @@ import torch
 
 import dbo
 from dbo import _wakeup
-from dbo import runner as runner_module
 
 
 def _runner_with(kind: type) -> dbo.UBatchRunner:
-    """A runner whose workers park on wake-ups of `kind` (the runner module picks the
-    kind when it starts its workers)."""
-    default = runner_module.Wakeup
-    runner_module.Wakeup = kind  # type: ignore[misc]
+    """A runner whose workers park on wake-ups of `kind` (each worker asks
+    `_wakeup.new_wakeup` for its wake-up when the runner is created)."""
+    default = _wakeup.new_wakeup
+    _wakeup.new_wakeup = kind  # type: ignore[assignment]
     try:
         return dbo.UBatchRunner(num_ubatches=2)
     finally:
-        runner_module.Wakeup = default  # type: ignore[misc]
+        _wakeup.new_wakeup = default
 
 
 def _switches() -> int:
@@ -85,10 +83,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args()
-    if _wakeup._EventfdWakeup not in _wakeup.KINDS:
+    if _wakeup.EventfdWakeup not in _wakeup.kinds():
         raise SystemExit("no eventfd on this platform: the baton uses locks, nothing to compare")
     torch.set_num_threads(1)
-    runners = {"lock": _runner_with(_wakeup._LockWakeup), "eventfd": _runner_with(_wakeup.Wakeup)}
+    runners = {
+        "lock": _runner_with(_wakeup.LockWakeup),
+        "eventfd": _runner_with(_wakeup.EventfdWakeup),
+    }
     print(f"{'call':<14}{'lock us':>9}{'eventfd us':>12}{'eventfd/lock':>14}"
           f"{'switches: lock':>16}{'eventfd':>9}")
     try:

@@ -37,7 +37,7 @@ from dbo.api import (
 )
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError
 from dbo.overlap import close_default_runners, overlap
-from dbo.runner import UBatchRunner
+from dbo.runner import RunnerState, UBatchRunner
 from dbo.split import (
     TokenSplit,
     balanced_token_split,
@@ -49,6 +49,7 @@ from dbo.tracing import Trace, trace
 
 __all__ = [
     "OverlapTimeoutError",
+    "RunnerState",
     "Trace",
     "TokenSplit",
     "UBatchAbortedError",

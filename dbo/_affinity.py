@@ -1,11 +1,9 @@
 """CPU affinity of the calling thread (Linux: per thread, inherited by threads it starts).
 
 A ubatch worker thread gets its CPUs once, from the thread that creates its runner, and
-keeps them: an intra-op (OpenMP) pool a worker starts inherits the worker's CPUs at that
-moment and never follows a later change, so re-pinning a worker per call would strand
-its pool on the CPUs of whichever caller came first. `dbo.overlap` instead leases
-runners by the caller's CPUs (a caller pinned to one core gets ubatch threads created
-on that core), and a worker that `fn` re-pinned is put back after the job.
+keeps them: the intra-op (OpenMP) pool a worker starts inherits its CPUs at that moment
+and never follows a later change. `dbo.overlap` leases runners by the caller's CPUs,
+and a worker that `fn` re-pinned is put back after the job.
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ from typing import Any
 
 MAX_NUM_UBATCHES = 1024
 """The most ubatches accepted: each has a thread, two streams and a workspace slot, and
-overlap gains nothing past a handful; a count beyond this is a mistake (a typo such as
-2**31 would otherwise build that many slots or threads before failing)."""
+overlap gains nothing past a handful."""
 
 
 def check_num_ubatches(num_ubatches: Any) -> int:

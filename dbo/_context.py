@@ -1,19 +1,21 @@
 """Which ubatch the calling thread runs, if any.
 
 Each ubatch thread of a running overlap is *registered* with a `UBatchContext` for
-exactly the duration of its run. The context lives in a `threading.local`, so a
-lookup is one attribute read, it never needs a lock, and a thread that was never
-registered (the caller, a data-loader thread, a thread the user started inside a
-ubatch) simply sees no context and behaves as outside an overlap.
+exactly the duration of its run. The context lives in a `threading.local`: a lookup is
+one attribute read with no lock, and a thread that was never registered (the caller, a
+data-loader thread, a thread started inside a ubatch) sees no context and behaves as
+outside an overlap.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dbo._run import OverlapRun
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,8 @@ class UBatchContext:
     """This thread's ubatch id, 0 .. num_ubatches - 1."""
     num_ubatches: int
     """How many ubatches the running overlap has."""
-    scheduler: Any = None
-    """The run's baton scheduler; None for a bare registration (tests, workspace slots)."""
+    run: OverlapRun | None = None
+    """The run this thread belongs to; None for a bare registration (tests)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.ubatch_id < self.num_ubatches:
@@ -42,32 +44,16 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
-_count_lock = threading.Lock()
-_num_registered = 0
 _threads: dict[int, int] = {}
-"""The registered threads' registration numbers by `threading.get_ident()`, for
-questions about *another* thread (the workspace asks whether a slot's last user still
-runs the registration it asked from). Numbers, not contexts: a holder of one keeps
-nothing of the run alive."""
+"""Registration numbers by `threading.get_ident()`, for questions about *another*
+thread (the workspace asks whether a slot's last user still runs the registration it
+asked from). Single dict operations: atomic under the GIL, no lock needed."""
 _registration_numbers = itertools.count(1)
 
 
-def _after_fork_in_child() -> None:
-    """In the child after `os.fork()` (its only thread is the one that forked): a fork
-    from inside a ubatch runs the rest of that ubatch's function outside any overlap
-    (`dbo.yield_()` is then a no-op, rather than a wait for a baton the parent's
-    threads pass), and the count lock, which another thread may have held at the fork,
-    is replaced. The registration's exit still balances the count."""
-    global _count_lock, _num_registered, _threads
-    _count_lock = threading.Lock()
-    _num_registered = 1 if _state.context is not None else 0
-    _state.context = None
-    _state.registration = 0
-    _threads = {}
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+def reset_after_fork() -> None:
+    """In a forked child: the parent's other threads, and their registrations, are gone."""
+    _threads.clear()
 
 
 def current_context() -> UBatchContext | None:
@@ -87,7 +73,7 @@ def registration_of_thread(thread_ident: int) -> int:
 
 def num_registered_threads() -> int:
     """How many threads are registered right now (0 when no overlap runs)."""
-    return _num_registered
+    return len(_threads)
 
 
 class registered:  # noqa: N801 - used like the function-style context managers
@@ -105,24 +91,18 @@ class registered:  # noqa: N801 - used like the function-style context managers
         self._context = context
 
     def __enter__(self) -> UBatchContext:
-        global _num_registered
         if _state.context is not None:
             raise RuntimeError(
                 f"this thread already runs ubatch {_state.context.ubatch_id}; "
                 "a thread can be registered for one ubatch at a time"
             )
+        number = next(_registration_numbers)
+        _threads[threading.get_ident()] = number
         _state.context = self._context
-        with _count_lock:
-            _num_registered += 1
-            number = next(_registration_numbers)
-            _threads[threading.get_ident()] = number
         _state.registration = number
         return self._context
 
     def __exit__(self, *exc_info: object) -> None:
-        global _num_registered
         _state.context = None
         _state.registration = 0
-        with _count_lock:
-            _num_registered -= 1
-            _threads.pop(threading.get_ident(), None)
+        _threads.pop(threading.get_ident(), None)

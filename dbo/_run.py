@@ -1,7 +1,7 @@
 """One overlap run: the baton, each ubatch's streams, and the recv hooks.
 
 A `UBatchRunner` creates an `OverlapRun` per call; ubatch threads reach it through
-their registered `UBatchContext.scheduler`, which is how the module-level functions
+their registered `UBatchContext.run`, which is how the module-level functions
 (`dbo.yield_()`, `dbo.switch_to_comm()`, ...) find the run they belong to.
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dbo._wakeup import Wakeup
 from dbo.baton import Baton
 from dbo.device import DeviceBackend
 from dbo.errors import add_note
@@ -40,24 +41,24 @@ class OverlapRun:
         backend: DeviceBackend,
         streams: list[UBatchStreams],
         owner: object | None,
-        wakeups: Sequence[Any] | None = None,
+        wakeups: Sequence[Wakeup] | None = None,
         parent: OverlapRun | None = None,
     ) -> None:
         self.num_ubatches = num_ubatches
         self.backend = backend
         self.streams = streams
         self._owner = weakref.ref(owner) if owner is not None else None
-        """The runner that started this run, weakly: a runner keeps the run a watchdog
-        gave up on (until its ubatch returns), and a cycle would keep a dropped runner's
-        threads parked until the garbage collector ran."""
-        self.parent = weakref.ref(parent) if parent is not None else None
-        """The run whose ubatch thread started this one (a bare runner's ubatch running
-        another runner), weakly (it holds its run state, order tokens and their graphs,
-        which this run must not keep), if any: a run of any runner up this chain, asked
-        for inside this run, would wait for itself."""
+        """The runner that started this run, weakly: a broken runner keeps its aborted
+        run, and a cycle would keep a dropped runner's threads until a gc pass."""
+        self._parent = weakref.ref(parent) if parent is not None else None
+        """The run whose ubatch thread started this one, weakly (its state is not this
+        run's to keep): a run of any runner up this chain would wait for itself."""
         self.baton = Baton(num_ubatches, wakeups)
         self.on_comm = [False] * num_ubatches
+        self.caller_stream: Any = None
+        """The stream current in the caller's thread; it joins the ubatch streams at the end."""
         self.fork_event: Any = None
+        """Recorded on `caller_stream` at the start; every ubatch stream waits for it."""
         self.join_events: list[list[Any]] = [[] for _ in range(num_ubatches)]
         self._hooks_for: list[list[tuple[int, Callable[[], Any]]]] = [
             [] for _ in range(num_ubatches)
@@ -77,9 +78,13 @@ class OverlapRun:
 
     @property
     def owner(self) -> object | None:
-        """The runner that started this run (None once it is gone): a run of the same
-        runner asked for inside this one is refused."""
+        """The runner that started this run (None once it is gone)."""
         return self._owner() if self._owner is not None else None
+
+    @property
+    def parent(self) -> OverlapRun | None:
+        """The run whose ubatch thread started this one, if any (and still alive)."""
+        return self._parent() if self._parent is not None else None
 
     # ------------------------------------------------------------------ thread lifetime
     def enter(self, ubatch_id: int) -> None:
@@ -105,10 +110,8 @@ class OverlapRun:
 
     def drop_leftovers(self) -> None:
         """After every ubatch has ended: forget the exit callbacks and recv hooks that an
-        aborted ubatch left (they never run). The caller's frame holds this run while
-        the error propagates (all the way to interpreter exit if nothing catches it), and
-        they would keep what they hold alive with it: `comm`'s left-over wait holds an
-        async handle, which must be freed to be handed to `comm._abandoned` in time."""
+        aborted ubatch left (they never run). The failed call's traceback holds this
+        run, and they must not keep what they hold (an async comm handle) alive with it."""
         for callbacks in self._exit_callbacks:
             callbacks.clear()
         for hooks in self._hooks_for:

@@ -1,29 +1,24 @@
 """The caller's thread-local torch settings, replayed in the ubatch worker threads.
 
-Intra-op thread count, grad mode, inference mode, autocast (cpu, cuda, xpu, mps, hpu
-and the privateuse1 backend), the default device (`with torch.device(...)`,
-`torch.set_default_device`), the current CUDA device and the saved-tensor hooks
-(`torch.autograd.graph.saved_tensors_hooks`: `save_on_cpu`, non-reentrant checkpointing
-around the overlapped call; the innermost pair, and whether they are disabled) are all
-per thread in PyTorch. CPU affinity is per thread too, but is not replayed per call (see
-`dbo._affinity`). Not replayed: other torch-function and dispatch modes (FakeTensorMode,
-a FLOP counter, `allow_mutation_on_saved_tensors`'s): `dbo.overlap` runs inline under
-one (entering one mode object from several threads breaks modes that keep per-entry
-state), and modes `fn` leaves entered are popped when its job ends. Nor is an autocast
-dtype set with `torch.set_autocast_dtype` while autocast is off (only enabled autocasts
-are captured, to keep the per-call cost down). `torch.func` transforms (grad, vmap)
-cannot cross threads: `dbo.overlap` runs inline under one. The profiler records the
-caller's thread only, unless started with
-`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
+Replayed (all per thread in PyTorch): the intra-op thread count, grad mode, inference
+mode, enabled autocasts (cpu, cuda, xpu, mps, hpu, the privateuse1 backend), the default
+device (`with torch.device(...)`, `torch.set_default_device`), the current CUDA device
+and the innermost saved-tensor hooks (`save_on_cpu`, non-reentrant checkpointing), or
+their being disabled. CPU affinity is per thread too, but is set once per worker
+(`dbo._affinity`).
 
-A worker that did not copy the settings would, for example, build autograd graphs
-under the caller's `torch.no_grad()`, or run matmuls with the default thread count
-(measured: about 2x slower than the caller on a 2-core machine).
+Not replayed: other torch-function and dispatch modes (FakeTensorMode, a FLOP counter,
+`allow_mutation_on_saved_tensors`) and `torch.func` transforms: entering one mode object
+from several threads breaks modes that keep per-entry state, so `dbo.overlap` runs
+inline under them (`unreplayed_mode_active`). Nor an autocast dtype set while autocast
+is off. The profiler records the caller's thread only, unless started with
+`experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
+What `fn` leaves switched on in a worker (autocast, saved-tensor hooks, modes) is
+switched off when its job ends: workers are pooled across unrelated calls.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from contextlib import ExitStack
 from threading import local
@@ -32,82 +27,65 @@ from typing import Any, NamedTuple
 import torch
 
 
-def _autocast_device_types() -> tuple[str, ...]:
-    """Device types whose autocast state is replayed; those this torch does not know
-    are skipped (asking about them raises)."""
+class _AutocastQuery(NamedTuple):
+    device_types: tuple[str, ...]
+    """The device types whose autocast is replayed (those this torch knows)."""
+    any_enabled: Callable[[], bool] | None
+    """`torch._C._is_any_autocast_enabled`, if this torch has it."""
+    missed: tuple[str, ...]
+    """The device types `any_enabled` does not report (asked one by one)."""
+
+
+_autocast_query: _AutocastQuery | None = None
+
+
+def _autocast() -> _AutocastQuery:
+    """Which autocasts to look at, and how; probed on first use, in the calling thread.
+
+    The probe turns each type's autocast on and off again to see whether torch's
+    any-autocast query reports it. It cannot learn that while an autocast is already on:
+    then every type is asked, and the probe runs again on the next call."""
+    global _autocast_query
+    if _autocast_query is not None:
+        return _autocast_query
     wanted = ("cpu", "cuda", "xpu", "mps", "hpu", torch._C._get_privateuse1_backend_name())
     known = []
     for device_type in dict.fromkeys(wanted):
         try:
             torch.is_autocast_enabled(device_type)
-        except (RuntimeError, ValueError, TypeError):
+        except (RuntimeError, ValueError, TypeError):  # a type this torch does not know
             continue
         known.append(device_type)
-    return tuple(known)
-
-
-_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
-_AnyQuery = Callable[[], bool]
-
-
-def _probe_any_autocast_query(
-    query: _AnyQuery | None,
-) -> tuple[_AnyQuery | None, tuple[str, ...]]:
-    """(`query`, the device types whose autocast it does not report), `query` being
-    `torch._C._is_any_autocast_enabled` (it misses mps in the torch of this writing).
-    Found by enabling each type in a new thread, where autocast starts off everywhere
-    (the flags are per thread). (None, every type) when the query is missing or cannot
-    be trusted: the probe could not run, failed, or found autocast already on (a green
-    thread sharing the importer's OS thread); then each type is asked on every call."""
-    unusable = (None, _AUTOCAST_DEVICE_TYPES)
-    if query is None:
-        return unusable
-    missed: list[str] = []
-    failed: list[BaseException | None] = []
-
-    def probe() -> None:
-        try:
-            if query():
-                failed.append(None)  # not a fresh thread's flags: nothing to learn
-                return
-            for device_type in _AUTOCAST_DEVICE_TYPES:
-                before = torch.is_autocast_enabled(device_type)
-                torch.set_autocast_enabled(device_type, True)
-                try:
-                    if not query():
-                        missed.append(device_type)
-                finally:
-                    torch.set_autocast_enabled(device_type, before)
-        except BaseException as error:  # noqa: BLE001 - any failure: ask every type
-            failed.append(error)
-
-    try:
-        thread = threading.Thread(target=probe, name="dbo-autocast-probe", daemon=True)
-        thread.start()
-        thread.join(10.0)
-    except Exception:  # noqa: BLE001 - no thread to probe in (a restricted runtime)
-        return unusable
-    if failed or thread.is_alive():
-        return unusable
-    return query, tuple(missed)
-
-
-_is_any_autocast_enabled, _AUTOCAST_MISSED_BY_ANY = _probe_any_autocast_query(
-    getattr(torch._C, "_is_any_autocast_enabled", None)
-)
+    types = tuple(known)
+    any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
+    if any_enabled is not None and any_enabled():
+        return _AutocastQuery(types, None, types)
+    _autocast_query = _AutocastQuery(types, None, types)
+    if any_enabled is not None:
+        missed = []
+        for device_type in types:
+            before = torch.is_autocast_enabled(device_type)  # on, if the query misses it
+            torch.set_autocast_enabled(device_type, True)
+            try:
+                if not any_enabled():
+                    missed.append(device_type)
+            finally:
+                torch.set_autocast_enabled(device_type, before)
+        _autocast_query = _AutocastQuery(types, any_enabled, tuple(missed))
+    return _autocast_query
 
 
 def _enabled_autocasts() -> tuple[tuple[str, torch.dtype], ...]:
-    """(device_type, dtype) of each autocast enabled in the calling thread. One query
-    answers the usual case (none enabled) for all but the types it misses; asking each
-    of the six types costs ~3 us, on every overlap call."""
-    if (_is_any_autocast_enabled is None or not _is_any_autocast_enabled()) and not any(
-        torch.is_autocast_enabled(device_type) for device_type in _AUTOCAST_MISSED_BY_ANY
+    """(device_type, dtype) of each autocast enabled in the calling thread; one query
+    answers the usual case (none enabled)."""
+    query = _autocast()
+    if (query.any_enabled is None or not query.any_enabled()) and not any(
+        torch.is_autocast_enabled(device_type) for device_type in query.missed
     ):
         return ()
     return tuple(
         (device_type, torch.get_autocast_dtype(device_type))
-        for device_type in _AUTOCAST_DEVICE_TYPES
+        for device_type in query.device_types
         if torch.is_autocast_enabled(device_type)
     )
 
@@ -120,8 +98,7 @@ _applied = _Applied()
 
 
 class ThreadSettings(NamedTuple):
-    """The caller's settings, captured once per overlap call (a named tuple: built in
-    a fraction of a frozen dataclass's time, on every call)."""
+    """The caller's settings, captured once per overlap call."""
 
     num_threads: int
     grad_enabled: bool
@@ -141,9 +118,7 @@ def capture() -> ThreadSettings:
     """The calling thread's settings."""
     autocast = _enabled_autocasts()
     cuda_device = None
-    # Initialized implies available; asked first because it is a flag read, where
-    # is_available() costs ~1 us (more on a machine with GPUs) on every call.
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # a flag read; implies available
         cuda_device = torch.cuda.current_device()
     return ThreadSettings(
         num_threads=torch.get_num_threads(),
@@ -173,9 +148,8 @@ _device_context_holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
 
 
 def default_device() -> torch.device:
-    """`torch.get_default_device()` of the calling thread, without its cost (~5 us) in
-    the usual case: no torch-function mode active and no `set_default_device` in this
-    thread means CPU, which is what it would answer."""
+    """`torch.get_default_device()` of the calling thread, answered from two flag reads
+    in the usual case (no torch-function mode, no `set_default_device`: CPU)."""
     if (
         _function_mode_depth is not None
         and _device_context_holder is not None
@@ -188,10 +162,8 @@ def default_device() -> torch.device:
 
 def unreplayed_mode_active() -> bool:
     """Whether a torch-function mode other than the default device's (which `applied`
-    replays) or a dispatch mode is active in the calling thread (FakeTensorMode, a FLOP
-    counter, `allow_mutation_on_saved_tensors`'s clone-before-mutate). Modes are per
-    thread, and entering one mode object from two threads breaks those that keep
-    per-entry state, so they are not replayed: `dbo.overlap` runs inline under them."""
+    replays) or a dispatch mode is active in the calling thread; `dbo.overlap` runs
+    inline under one."""
     if _dispatch_mode_depth is not None and _dispatch_mode_depth() > 0:
         return True
     if _function_mode_depth is None or _function_mode_depth() == 0:
@@ -207,9 +179,8 @@ class applied:  # noqa: N801 - used like the function-style context managers
     thread, and restores what it entered afterwards.
 
     When the thread already has the caller's grad mode and default device and no
-    autocast or inference mode is wanted (the usual case), nothing is entered: a few C
-    calls, in every ubatch thread of every overlap call (hence a class, not a
-    generator).
+    autocast or inference mode is wanted (the usual case), nothing is entered. A class,
+    not a generator: it runs in every ubatch thread of every overlap call.
     """
 
     __slots__ = ("_settings", "_stack")
@@ -279,17 +250,14 @@ _enable_saved_tensors_hooks = getattr(_autograd, "_saved_tensors_hooks_enable", 
 
 
 def _clear_leftovers() -> None:
-    """Turn off what `fn` switched on in this worker thread and left on (an autocast
-    set with `torch.set_autocast_enabled`, saved-tensor hooks entered and never exited):
-    workers are pooled, and a later, unrelated overlap call would run under it. The
-    caller's own settings are entered per call and unwound before this. Grad mode and
-    the default device need nothing here: the next call compares and sets them.
-
-    Autocast is asked through torch's any-autocast query only (~0.3 us; asking the
-    types it misses one by one, mps in the torch of this writing, costs ~1 us each, on
-    every job of every call): an mps autocast left on stays on in the worker."""
-    if _is_any_autocast_enabled is None or _is_any_autocast_enabled():
-        for device_type in _AUTOCAST_DEVICE_TYPES:
+    """Turn off what `fn` switched on in this worker thread and left on (an autocast,
+    saved-tensor hooks, modes): a later, unrelated call would run under it. Grad mode
+    and the default device need nothing here: the next call compares and sets them.
+    Autocast is asked through the any-autocast query only, so an autocast it misses
+    (`_autocast().missed`) that `fn` leaves on stays on in the worker."""
+    query = _autocast()
+    if query.any_enabled is None or query.any_enabled():
+        for device_type in query.device_types:
             if torch.is_autocast_enabled(device_type):
                 torch.set_autocast_enabled(device_type, False)
     if _pop_saved_tensors_hooks is not None:

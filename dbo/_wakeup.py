@@ -1,30 +1,23 @@
 """Wake-ups between threads that take turns holding the GIL.
 
-A thread parked on a `_thread` lock wakes the moment another thread releases the lock,
-and its first act is to ask for the GIL, which the releasing thread still holds: it
-sleeps again until the releaser blocks in its turn. On one core that is three context
-switches for one handoff (to the woken thread, back, and to it again), each several
-microseconds of the core that the overlapped ubatch and gloo's transfers share.
+A thread woken through a `_thread` lock first asks for the GIL, which the waker still
+holds, and sleeps again until the waker blocks: extra context switches per handoff.
+`EventfdWakeup.set()` writes an eventfd with the GIL released, so the woken thread finds
+it free and runs at once. Linux gets eventfd wake-ups; other platforms get locks.
 
-`Wakeup.set()` on Linux writes an eventfd, and Python drops the GIL around that write:
-the woken thread finds the GIL free and runs at once (one switch). The setter then
-waits for the GIL until the woken thread blocks or yields, which the baton's setters do
-right away anyway: they park next. Elsewhere a `_thread` lock does the same job, with
-the extra switches.
-
-Contract (both kinds): `set()` from any thread; sets before a `wait()` coalesce into
-one; `wait()` by one thread at a time, which blocks until a set and consumes it. No
-timeout: a waiter that must give up is woken by a `set()` from whoever gives up on it
-(the baton's abort), never left parked.
+Contract (both kinds): `set()` from any thread; sets before a `wait()` coalesce into one;
+`wait()` by one thread at a time blocks until a set and consumes it. No timeout: whoever
+gives up on a waiter wakes it with `set()` (the baton's abort), never leaves it parked.
 """
 
 from __future__ import annotations
 
 import _thread
+import functools
 import os
 
 
-class _LockWakeup:
+class LockWakeup:
     """A held lock is "not set"; `set()` releases it, `wait()` takes it back."""
 
     __slots__ = ("_lock",)
@@ -43,7 +36,7 @@ class _LockWakeup:
         self._lock.acquire()
 
 
-class _EventfdWakeup:
+class EventfdWakeup:
     """An eventfd counter: `set()` adds 1 with the GIL released; `wait()` blocks until
     it is non-zero and resets it to 0 (so several sets wake one wait)."""
 
@@ -59,28 +52,29 @@ class _EventfdWakeup:
         os.eventfd_read(self._fd)
 
     def __del__(self) -> None:
-        # Only when nothing refers to it any more: no thread can be blocked on the fd
-        # (a waiter's frame holds the object), so no other thread can see it reused.
-        try:  # noqa: SIM105 - no contextlib import to rely on at interpreter exit
+        # Only once nothing refers to it: no thread can be blocked on the fd.
+        try:  # noqa: SIM105 - no contextlib to rely on at interpreter exit
             os.close(self._fd)
         except (OSError, AttributeError, TypeError):  # AttributeError: at exit, os gone
             pass
 
 
-def _eventfd_works() -> bool:
-    if not hasattr(os, "eventfd"):
-        return False
-    try:
-        _EventfdWakeup().set()
-    except OSError:  # a sandbox without eventfd(2)
-        return False
-    return True
+Wakeup = LockWakeup | EventfdWakeup
 
 
-Wakeup: type[_LockWakeup] | type[_EventfdWakeup] = (
-    _EventfdWakeup if _eventfd_works() else _LockWakeup
-)
-"""The kind this platform gets: eventfd on Linux, a lock elsewhere."""
+@functools.cache
+def kinds() -> tuple[type[LockWakeup] | type[EventfdWakeup], ...]:
+    """Every kind that works here, the preferred last; probed once, on first use."""
+    if hasattr(os, "eventfd"):
+        try:
+            EventfdWakeup().set()
+        except OSError:  # a sandbox without eventfd(2)
+            pass
+        else:
+            return (LockWakeup, EventfdWakeup)
+    return (LockWakeup,)
 
-KINDS = (_LockWakeup, _EventfdWakeup) if Wakeup is _EventfdWakeup else (_LockWakeup,)
-"""Every kind that works here (the tests run the baton on each)."""
+
+def new_wakeup() -> Wakeup:
+    """A wake-up of the preferred kind for this platform."""
+    return kinds()[-1]()

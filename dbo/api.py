@@ -8,23 +8,24 @@ same model code runs with or without DBO.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dbo._context import _state, current_context
 
+if TYPE_CHECKING:
+    from dbo._run import OverlapRun
 
-def _run_and_id() -> tuple[Any, int] | tuple[None, None]:
+
+def _run_and_id() -> tuple[OverlapRun | None, int]:
     context = current_context()
-    if context is None or context.scheduler is None:
-        return None, None
-    return context.scheduler, context.ubatch_id
+    return (None, 0) if context is None else (context.run, context.ubatch_id)
 
 
 def current_ubatch_id() -> int:
     """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap.
 
     Threads the runtime did not start (the caller, helper threads) get 0 even while an
-    overlap runs. This is the workspace's slot lookup, hence the direct read.
+    overlap runs. The workspace's slot lookup, hence the direct read.
     """
     context = _state.context
     return 0 if context is None else context.ubatch_id
@@ -46,17 +47,13 @@ def run_state() -> dict[str, Any] | None:
 
     One fresh, empty dict per run (per `dbo.overlap` call or `UBatchRunner.run`),
     dropped when the run ends, for library code whose ubatches must agree on something
-    within one run and never carry it over to the next (`comm.moe` chains the run's
-    differentiable exchanges through it). The baton makes its use race-free: only the
-    holder runs Python, so read-modify-write sequences without a yield in between are
-    atomic with respect to the other ubatches. Use keys named after your package.
+    within one run (`comm.moe` chains the run's differentiable exchanges through it).
+    Only the baton holder runs Python, so a read-modify-write without a yield in between
+    is atomic with respect to the other ubatches. Use keys named after your package.
     Threads that are not ubatch threads of a run (the caller, helper threads) get None.
     """
     context = _state.context
-    if context is None or context.scheduler is None:
-        return None
-    state: dict[str, Any] = context.scheduler.state
-    return state
+    return None if context is None or context.run is None else context.run.state
 
 
 def yield_() -> None:
@@ -67,8 +64,8 @@ def yield_() -> None:
     """
     # Read directly (no helper call): this runs at every yield point of every ubatch.
     context = _state.context
-    if context is not None and context.scheduler is not None:
-        context.scheduler.baton.yield_(context.ubatch_id)
+    if context is not None and context.run is not None:
+        context.run.baton.yield_(context.ubatch_id)
 
 
 def switch_to_comm() -> None:
@@ -123,9 +120,9 @@ def current_stream() -> Any:
     Outside an overlap: None (use the device's current stream).
     """
     context = _state.context  # read directly: every collective asks
-    if context is None or context.scheduler is None:
+    if context is None or context.run is None:
         return None
-    return context.scheduler.current_stream(context.ubatch_id)
+    return context.run.current_stream(context.ubatch_id)
 
 
 def on_comm_stream() -> bool:

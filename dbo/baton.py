@@ -5,10 +5,9 @@ the next live ubatch of the ring 0 -> 1 -> ... -> n-1 -> 0. That makes the order
 which ubatches launch kernels and collectives the same on every rank and every run,
 which is what keeps collectives matched across ranks.
 
-Each ubatch parks on its own wake-up (`dbo._wakeup`: an eventfd on Linux, so the
-successor wakes to a free GIL); handing the baton to ubatch j is one set of j's
-wake-up. A small mutex guards the bookkeeping so that the caller's watchdog can inspect
-and abort a run from outside.
+Each ubatch parks on its own wake-up (`dbo._wakeup`); handing the baton to ubatch j is
+one set of j's wake-up. A small mutex guards the bookkeeping so that the caller's
+watchdog can inspect and abort a run from outside.
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import _thread
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from dbo import tracing
-from dbo._wakeup import Wakeup
+from dbo._wakeup import Wakeup, new_wakeup
 from dbo.errors import UBatchAbortedError
 
 
@@ -32,14 +30,14 @@ class Baton:
     then `wait_done()`.
     """
 
-    def __init__(self, num_ubatches: int, wakeups: Sequence[Any] | None = None) -> None:
-        """`wakeups`: one per ubatch, which its thread parks on (`dbo._wakeup`); by
-        default new ones. A runner passes its workers' own, which they also park on
-        between runs, so that getting the baton is what starts a worker's job."""
+    def __init__(self, num_ubatches: int, wakeups: Sequence[Wakeup] | None = None) -> None:
+        """`wakeups`: one per ubatch, which its thread parks on; by default new ones. A
+        runner passes its workers' own, which they also park on between runs, so that
+        getting the baton is what starts a worker's job."""
         self.num_ubatches = num_ubatches
         self._mutex = _thread.allocate_lock()
         self._wake = list(wakeups) if wakeups is not None else [
-            Wakeup() for _ in range(num_ubatches)
+            new_wakeup() for _ in range(num_ubatches)
         ]
         if len(self._wake) != num_ubatches:
             raise ValueError(f"need {num_ubatches} wake-ups, got {len(self._wake)}")
@@ -129,9 +127,7 @@ class Baton:
         """
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
-        # Every yield of every ubatch runs this, with the host's caches cold from the
-        # overlapped transfer: each step costs several times its tight-loop price, so
-        # the common case (the next ubatch of the ring is live) is inlined.
+        # The hot path of every handoff: the common case (the next ubatch is live) inline.
         with self._mutex:
             assert self.holder == ubatch_id, (
                 f"ubatch {ubatch_id} yielded without holding the baton (holder: "

@@ -8,9 +8,9 @@ import contextlib
 class UBatchAbortedError(RuntimeError):
     """Raised at a yield point of a ubatch whose overlap is being aborted.
 
-    Another ubatch failed (or the watchdog fired); this ubatch is woken with this error so
-    that its `finally` blocks run and its thread is not left parked. The caller of the
-    overlap sees the original failure, not this error.
+    Another ubatch failed, the watchdog fired, the caller was interrupted or the runner
+    was closed: this ubatch unwinds (its `finally` blocks run) instead of staying
+    parked. The caller of the overlap sees the original failure, not this error.
     """
 
 
@@ -26,12 +26,8 @@ class OverlapTimeoutError(RuntimeError):
 
 
 def describe(error: BaseException) -> str:
-    """`"Type: message"` for an abort reason or a log line; never raises.
-
-    An exception's `__str__` may fail (one unpickled without the attributes it formats,
-    one that returns a non-string): a runtime that formats it while unwinding a failed
-    ubatch must not fail in turn, or the other ubatches are never aborted.
-    """
+    """`"Type: message"` for an abort reason or a log line; never raises (a failing
+    `__str__` must not keep the other ubatches from being aborted)."""
     name = type(error).__name__
     try:
         return f"{name}: {error}"
@@ -40,29 +36,17 @@ def describe(error: BaseException) -> str:
 
 
 def add_note(error: BaseException, note: str) -> None:
-    """Add `note` to `error` (shown under its traceback) unless it already has it: the
-    same exception object raised again by a later call keeps one copy.
+    """Add `note` to `error` (shown under its traceback) unless it already has it.
 
-    Never raises: `error` is what the caller must get. `__notes__` that code set to
-    something other than a list (a tuple), which `add_note` refuses, become a list of
-    the notes they held (when they are a tuple or list of strings) plus this one."""
+    Never raises: `error` is what the caller must get. `__notes__` that are not a list
+    (code may set a tuple) become a list of the strings they held, plus this note."""
     notes = getattr(error, "__notes__", None)
-    if isinstance(notes, list):
-        if note in notes:
-            return
-        if hasattr(error, "add_note"):
-            with contextlib.suppress(Exception):
-                error.add_note(note)
-                return
-    # No notes yet, notes that `add_note` refuses, or Python 3.10 (no `add_note`): set
-    # the list, keeping the notes that were strings.
-    kept = []
-    if isinstance(notes, (tuple, list)):
-        kept = [item for item in notes if isinstance(item, str)]
-    if note in kept:
-        return
-    with contextlib.suppress(AttributeError, TypeError):
-        error.__notes__ = [*kept, note]  # type: ignore[attr-defined]
+    kept = [item for item in notes if isinstance(item, str)] if isinstance(
+        notes, (list, tuple)
+    ) else []
+    if note not in kept:
+        with contextlib.suppress(AttributeError, TypeError):
+            error.__notes__ = [*kept, note]  # type: ignore[attr-defined]
 
 
 def attach_ubatch_id(error: BaseException, ubatch_id: int, num_ubatches: int) -> None:

@@ -10,24 +10,23 @@ its thread sat blocked waiting for a collective.
 What is recorded (host clocks, `time.perf_counter`):
   - "baton": a span per turn, from the moment a ubatch's thread woke holding the baton
     to the moment it handed it on (or finished): the time its thread ran Python and
-    launched work. The wake-up after a handoff (a few us on one core, up to ~100 us
-    across cores on a VM) is the gap between two turns;
+    launched work. The wake-up after a handoff is the gap between two turns;
   - "wait <collective>": the part of a turn a `comm` collective's `wait()` blocked the
-    host (gloo blocks; NCCL's wait only orders streams and returns at once), i.e.
-    communication the overlap did not hide; outside an overlap too (track "caller");
+    host (gloo blocks; NCCL's wait only orders streams), i.e. communication the
+    overlap did not hide; outside an overlap too (track "caller");
   - "dbo.overlap": each overlapped call on the caller's thread, split and merge
     included ("dbo.overlap inline" for a call that ran `fn` on the whole batch because
     of its size or the decision; nested calls, and calls under a mode or a `torch.func`
-    transform without a decision group, run `fn` directly and are not recorded).
+    transform without a decision group, are not recorded).
 
 A turn minus its waits is host work: when the turns leave few gaps and the waits are
-short, the host is the bottleneck (CPU-bound, or a GPU the host cannot keep fed). GPU
-kernels are not on this timeline; use `torch.profiler` for those.
+short, the host is the bottleneck. GPU kernels are not on this timeline; use
+`torch.profiler` for those.
 
-Cost: while no trace is active, one module attribute read per handoff and per
-collective. One trace at a time per process; each process (rank) records its own.
-Overlaps run at once from several caller threads each get their own tracks (their
-ubatch threads differ); `totals()` and `summary()` add them up per ubatch id.
+While no trace is active, recording costs one module attribute read per handoff and
+per collective. One trace at a time per process; each process (rank) records its own.
+Overlaps run at once from several caller threads each get their own tracks;
+`totals()` and `summary()` add them up per ubatch id.
 """
 
 from __future__ import annotations
@@ -45,14 +44,11 @@ CALLER = -1
 """The `ubatch_id` of spans recorded outside a ubatch thread (the caller's thread)."""
 
 DEFAULT_MAX_SPANS = 1_000_000
-"""About 180 MB of spans at most (~177 bytes each, measured with tracemalloc: the
-tuple, its two floats and the thread id; names are shared strings); a step of 60 layers
-x 2 collectives x 2 ubatches records ~500 spans, so this keeps about 2000 such steps."""
+"""The spans a trace keeps by default (a few hundred bytes each)."""
 
 
 class Span(NamedTuple):
-    """One interval of the timeline (seconds on the `time.perf_counter` clock). A named
-    tuple: cheap to create while recording, small to keep."""
+    """One interval of the timeline (seconds on the `time.perf_counter` clock)."""
 
     name: str
     ubatch_id: int
@@ -60,8 +56,7 @@ class Span(NamedTuple):
     start_s: float
     end_s: float
     thread_id: int = 0
-    """`threading.get_ident()` of that thread: concurrent overlaps (several caller
-    threads) each have their own ubatch threads, hence their own tracks."""
+    """`threading.get_ident()` of that thread (concurrent overlaps: their own tracks)."""
 
     @property
     def duration_s(self) -> float:
@@ -113,9 +108,8 @@ class Trace:
 
     # ------------------------------------------------------------------ reading
     def _snapshot(self) -> list[Span]:
-        """The spans so far, copied under the lock: the readers below may run while
-        overlaps still record (a reader walking the live list twice could meet a span
-        the first walk had not seen)."""
+        """The spans so far, copied under the lock: readers may run while overlaps
+        still record, and must see one set of spans."""
         with self._lock:
             return list(self.spans)
 
@@ -211,23 +205,16 @@ _active: Trace | None = None
 _lock = threading.Lock()
 
 
-def _after_fork_in_child() -> None:
-    """Replace the lock another thread may have held at an `os.fork()`, and stop
-    recording: the parent's trace is the parent's (nobody reads the child's copy), and
-    the child may start its own."""
+def reset_after_fork() -> None:
+    """In a forked child: new locks (another thread may have held them at the fork), and
+    the parent's trace ended, so that the child records nothing into it and may start
+    its own."""
     global _lock, _active
     _lock = threading.Lock()
     if _active is not None:
-        # The child's copy: a new lock (another thread may have held the old one at the
-        # fork), ended, so that leaving the `with` block in the child neither blocks nor
-        # records.
         _active._lock = threading.Lock()
         _active.end_s = time.perf_counter()
     _active = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def active() -> Trace | None:

@@ -220,9 +220,8 @@ def test_a_span_that_ended_before_the_trace_started_has_no_negative_length() -> 
 
 
 def test_reading_a_trace_while_overlaps_record_sees_one_consistent_set_of_spans() -> None:
-    # A span recorded between two walks of the live list (a new caller thread's first
-    # call, say) had no track yet: to_chrome_trace raised KeyError. Simulated
-    # deterministically: a second walk over the spans finds one more.
+    """A reader walks one copy of the spans: a span recorded between two walks of the
+    live list (simulated: the second walk finds one more) gets no event without a track."""
     step = dbo.overlap(lambda x: x + 1)
     with dbo.trace() as recording:
         step(torch.ones(2))
@@ -264,10 +263,9 @@ def _turns_and_gaps_before_ubatch_1(step: Any) -> tuple[list[tracing.Span], list
 def test_a_turn_starts_when_its_thread_wakes_not_at_the_handoff(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A turn used to start at the handoff, so the successor's wake-up counted as host
-    work and turns were back to back by construction. With every wake-up made 50 ms
-    slow (a cold cross-core wake-up, exaggerated), the turns of a do-nothing fn must
-    stay short and leave those 50 ms as gaps between them."""
+    """The successor's wake-up is a gap between turns, not host work: with every
+    wake-up made 50 ms slow, the turns of a do-nothing fn stay short and the 50 ms
+    are gaps between them."""
     from dbo import _wakeup
 
     step = _yielding(3)
@@ -275,13 +273,14 @@ def test_a_turn_starts_when_its_thread_wakes_not_at_the_handoff(
     turns, gaps = _turns_and_gaps_before_ubatch_1(step)
     assert len(gaps) == 4 and all(gap >= 0 for gap in gaps)  # the control: real wake-ups
 
-    original_wait = _wakeup.Wakeup.wait
+    kind = type(_wakeup.new_wakeup())  # what the pooled workers park on
+    original_wait = kind.wait
 
     def slow_wait(self: Any) -> None:
         original_wait(self)
         time.sleep(0.05)  # woken, but slow to get going
 
-    monkeypatch.setattr(_wakeup.Wakeup, "wait", slow_wait)
+    monkeypatch.setattr(kind, "wait", slow_wait)
     turns, gaps = _turns_and_gaps_before_ubatch_1(step)
     # The first may be ~0: ubatch 1's worker can reach its first wait for the baton
     # after it already holds it (no wake-up to wait for). The later ones follow yields.
@@ -321,9 +320,7 @@ def test_a_call_that_outlives_the_block_is_not_added_to_the_finished_trace() -> 
 
 def test_a_revoked_job_that_held_the_baton_records_no_turn() -> None:
     """The runner finishes a job revoked before it started (watchdog, interrupt) from the
-    caller's thread; it held the baton but never ran: no turn, and none on the caller's
-    track (with turns timed from the wake-up, it would have spanned from the trace's
-    start)."""
+    caller's thread: it held the baton but never ran, so no turn is recorded."""
     from dbo.baton import Baton
 
     with dbo.trace() as timeline:

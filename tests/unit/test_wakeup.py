@@ -18,7 +18,7 @@ from dbo import _wakeup
 from dbo.baton import Baton
 from dbo.errors import UBatchAbortedError
 
-KINDS = pytest.mark.parametrize("kind", _wakeup.KINDS, ids=lambda kind: kind.__name__)
+KINDS = pytest.mark.parametrize("kind", _wakeup.kinds(), ids=lambda kind: kind.__name__)
 
 
 def _waiter(wakeup: object) -> threading.Thread:
@@ -64,17 +64,17 @@ def test_sets_coalesce_into_one_wake_up(kind: type) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="eventfd is Linux-only")
 def test_linux_gets_eventfd_wake_ups() -> None:
-    """The fast kind must not silently fall back: it halves a handoff's context switches."""
-    assert _wakeup.Wakeup is _wakeup._EventfdWakeup
+    """The fast kind must not silently fall back to locks."""
+    assert type(_wakeup.new_wakeup()) is _wakeup.EventfdWakeup
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 def test_eventfd_wake_ups_close_their_descriptor_when_dropped() -> None:
-    if _wakeup._EventfdWakeup not in _wakeup.KINDS:
+    if _wakeup.EventfdWakeup not in _wakeup.kinds():
         pytest.skip("no eventfd here")
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
-    wakeups = [_wakeup._EventfdWakeup() for _ in range(50)]
+    wakeups = [_wakeup.EventfdWakeup() for _ in range(50)]
     assert len(os.listdir("/proc/self/fd")) >= before + 50
     del wakeups
     gc.collect()

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "wakeup_kinds.py"
 
 
 @pytest.mark.skipif(
-    _wakeup._EventfdWakeup not in _wakeup.KINDS, reason="only one wake-up kind here"
+    _wakeup.EventfdWakeup not in _wakeup.kinds(), reason="only one wake-up kind here"
 )
 def test_wakeup_kinds_benchmark_prints_both_kinds_for_each_call() -> None:
     completed = subprocess.run(

@@ -1,0 +1,265 @@
+"""The caller's thread-local torch settings reach the ubatch threads; what `fn` leaves
+switched on in a pooled worker does not reach the next call; a call under a torch mode
+the workers cannot share runs inline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import dbo
+from dbo import _thread_settings
+
+TIMEOUT_S = 30.0
+
+
+def _overlap(fn: Any, **options: Any) -> Any:
+    return dbo.overlap(fn, timeout_s=TIMEOUT_S, **options)
+
+
+def _innocent(x: torch.Tensor) -> torch.Tensor:
+    return x @ torch.eye(x.shape[1])
+
+
+# ------------------------------------------------------------ replayed in the workers
+
+
+def test_default_device_context_is_replayed_in_workers() -> None:
+    """`with torch.device(...)` (a thread-local TorchFunctionMode) is replayed: factory
+    calls inside fn land on the device they land on inline."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(x.shape[0])  # no explicit device: follows the default device
+
+    x = torch.zeros(4)
+    with torch.device("meta"):
+        inline = fn(x)
+        overlapped = dbo.overlap(fn)(x)
+    assert inline.device.type == "meta"
+    assert overlapped.device.type == inline.device.type
+
+
+def test_the_callers_autocast_still_reaches_every_call_after_a_leak() -> None:
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        torch.set_autocast_enabled("cpu", True)
+        return x * 1
+
+    x = torch.randn(8, 4)
+    _overlap(leaky)(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _overlap(_innocent)(x).dtype == torch.bfloat16
+    assert _overlap(_innocent)(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("device_type", _thread_settings._autocast().device_types)
+def test_autocast_of_every_device_type_is_captured(device_type: str) -> None:
+    """The capture asks torch's any-autocast query first and only the types it misses
+    one by one: each type's flag is still seen."""
+    before = torch.is_autocast_enabled(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        captured = _thread_settings.capture().autocast
+    finally:
+        torch.set_autocast_enabled(device_type, before)
+    assert [kind for kind, _ in captured] == [device_type]
+    assert _thread_settings.capture().autocast == ()
+
+
+@pytest.mark.parametrize("device_type", ["hpu", "xpu", "mps"])
+def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
+    """Setting the flag needs no such device (cuda and privateuseone are replayed through
+    `torch.autocast`, which refuses a device this machine does not have)."""
+    before = torch.is_autocast_enabled(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    try:
+        seen: list[bool] = []
+
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_autocast_enabled(device_type))
+            return x
+
+        _overlap(fn)(torch.zeros(4))
+    finally:
+        torch.set_autocast_enabled(device_type, before)
+    assert seen == [True, True]
+
+
+def test_the_autocast_probe_runs_once_and_leaves_the_callers_autocast_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_thread_settings, "_autocast_query", None)  # not probed yet
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        query = _thread_settings._autocast()  # cannot learn while one is on: asks every type
+        assert query.any_enabled is None and query.missed == query.device_types
+        assert torch.is_autocast_enabled("cpu")
+    assert _thread_settings._autocast_query is None
+    query = _thread_settings._autocast()
+    assert query.any_enabled is torch._C._is_any_autocast_enabled
+    assert not any(torch.is_autocast_enabled(kind) for kind in query.device_types)
+    assert _thread_settings._autocast() is query
+
+
+def test_without_the_any_autocast_query_every_type_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
+    monkeypatch.setattr(_thread_settings, "_autocast_query", None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _thread_settings.capture().autocast == (("cpu", torch.bfloat16),)
+    assert _thread_settings.capture().autocast == ()
+    assert _thread_settings._autocast().missed == _thread_settings._autocast().device_types
+
+
+# ------------------------------------------------------ nothing left to the next call
+
+
+def test_an_autocast_fn_switched_on_and_left_on_does_not_reach_the_next_call() -> None:
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        torch.set_autocast_enabled("cpu", True)  # no `with`: never switched off
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        return x * 1
+
+    x = torch.randn(8, 4)
+    _overlap(leaky)(x)
+    assert not torch.is_autocast_enabled("cpu")  # the caller never saw it
+    seen: list[bool] = []
+
+    def innocent(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return _innocent(x)
+
+    y = _overlap(innocent)(x)
+    assert seen == [False, False]
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, _innocent(x), rtol=0, atol=0)
+
+
+def test_saved_tensor_hooks_fn_entered_and_never_exited_do_not_reach_the_next_call() -> None:
+    def refuse(_: torch.Tensor) -> Any:
+        raise RuntimeError("a pack hook left behind by an earlier call")
+
+    def leaves_hooks(x: torch.Tensor) -> torch.Tensor:
+        torch.autograd.graph.saved_tensors_hooks(refuse, lambda packed: packed).__enter__()
+        return x * 1
+
+    def leaves_hooks_disabled(x: torch.Tensor) -> torch.Tensor:
+        torch.autograd.graph.disable_saved_tensors_hooks("left disabled").__enter__()
+        return x * 1
+
+    x = torch.randn(8, 4, requires_grad=True)
+    _overlap(leaves_hooks)(x)
+    y = _overlap(lambda t: t * t)(x)  # saves t for backward: the hook would raise
+    y.sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, 2 * x.detach())
+    _overlap(leaves_hooks_disabled)(x)
+    with torch.autograd.graph.save_on_cpu():  # the caller's hooks, refused if disabled
+        y = _overlap(lambda t: t * t)(x)
+    assert y.requires_grad
+
+
+def test_an_inference_mode_fn_entered_and_never_exited_does_not_reach_the_next_call() -> None:
+    guards: list[Any] = []  # a guard kept alive keeps the worker in inference mode
+
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        guard = torch.inference_mode()
+        guard.__enter__()
+        guards.append(guard)
+        return x * 1
+
+    x = torch.randn(8, 4, requires_grad=True)
+    parts = [((part,), {}) for part in x.tensor_split(2)]
+    with dbo.UBatchRunner(num_ubatches=2) as runner:  # its own workers: left for good
+        runner.run(leaky, parts, timeout_s=TIMEOUT_S)
+        outputs = runner.run(lambda t: t * 2, parts, timeout_s=TIMEOUT_S)
+    assert len(guards) == 2
+    for output in outputs:
+        assert not output.is_inference()
+        assert output.requires_grad
+
+
+@pytest.mark.timeout(30)
+def test_a_mode_fn_entered_and_never_exited_does_not_reach_the_next_call() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RefuseMul(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten.mul.Tensor:
+                raise RuntimeError("a mode left behind by an earlier call intercepted mul")
+            return func(*args, **(kwargs or {}))
+
+    def leaky(x: torch.Tensor) -> torch.Tensor:
+        RefuseMul().__enter__()  # never exited
+        return x + 1
+
+    x = torch.zeros(4)
+    dbo.overlap(leaky, timeout_s=10)(x)
+    assert torch.equal(dbo.overlap(lambda t: t * 2, timeout_s=10)(x), x * 2)
+    depths: list[int] = []
+    dbo.overlap(lambda t: (depths.append(torch._C._len_torch_dispatch_stack()), t)[1])(x)
+    assert depths == [0, 0]
+
+
+# -------------------------------------------------------- modes: the call runs inline
+
+
+def _mutates_a_saved_tensor(a: torch.Tensor) -> torch.Tensor:
+    b = a.clone()
+    out = b**2  # saves b
+    b.sin_()  # allowed under allow_mutation_on_saved_tensors: it clones b first
+    return out
+
+
+@pytest.mark.timeout(30)
+def test_allow_mutation_on_saved_tensors_around_an_overlap_gives_the_right_gradient() -> None:
+    """The context is saved-tensor hooks plus a dispatch mode that clones before a
+    mutation; under a mode the call runs inline, and the gradient is right."""
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        dbo.overlap(_mutates_a_saved_tensor, timeout_s=10)(a).sum().backward()
+    torch.testing.assert_close(a.grad, 2 * a.detach())
+
+
+@pytest.mark.timeout(30)
+def test_a_dispatch_mode_around_an_overlap_sees_the_ops_of_fn() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.ones(3, 3)
+    with Recording() as recording:
+        dbo.overlap(lambda x: torch.mm(x, weight), timeout_s=10)(torch.ones(4, 3))
+    assert any("mm" in op for op in recording.ops), recording.ops
+
+
+@pytest.mark.timeout(30)
+def test_a_fake_tensor_mode_around_an_overlap_covers_the_tensors_fn_creates() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(torch.zeros(4, 3))
+        out = dbo.overlap(lambda t: t + torch.ones(3), timeout_s=10)(x)
+    assert tuple(out.shape) == (4, 3)
+
+
+@pytest.mark.timeout(30)
+def test_the_default_device_context_still_overlaps() -> None:
+    """`with torch.device(...)` is a torch-function mode too, but the workers replay it."""
+    seen: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dbo.enabled())
+        return x
+
+    with torch.device("cpu"):
+        dbo.overlap(fn, timeout_s=10)(torch.zeros(4))
+    assert seen == [True, True]
