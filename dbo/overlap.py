@@ -15,10 +15,12 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from dbo import _affinity, _thread_settings, tracing
+from dbo import _affinity, _context, _thread_settings, tracing
+from dbo import runner as runner_module
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.runner import (
+    RunnerState,
     UBatchRunner,
     check_timeout,
     describe_ubatch_input,
@@ -57,8 +59,8 @@ class _RunnerPool:
 
     Each call leases a runner of its own for the duration of the run: concurrent callers
     (several threads, or a helper thread started inside a ubatch that calls another
-    overlapped function) never queue behind each other's runs, and a runner left broken
-    by the watchdog is closed instead of going back to the pool.
+    overlapped function) never queue behind each other's runs, and a runner that is not
+    idle after its run (broken by the watchdog) is closed instead of going back.
     """
 
     def __init__(self) -> None:
@@ -89,7 +91,7 @@ class _RunnerPool:
             to_close = [runner]
             with self._lock:
                 if (
-                    not (runner.broken or runner.closed)
+                    runner.state is RunnerState.IDLE
                     and generation == self._generation
                     and sum(1 for idle_key, _ in self._idle if idle_key == key)
                     < _MAX_IDLE_RUNNERS
@@ -104,10 +106,8 @@ class _RunnerPool:
                 # A broken runner's workers end once their stuck ubatch returns.
                 closing.close(timeout_s=0)
 
-    def forget_after_fork(self) -> None:
-        """In the child after `os.fork()`: drop the pooled runners without closing them
-        (their threads stayed in the parent, and their wake-ups are shared with it), and
-        replace the lock, which another thread may have held at the fork."""
+    def reset_after_fork(self) -> None:
+        """In a forked child: drop the pooled runners (their threads are the parent's)."""
         self._lock = threading.Lock()
         self._idle = []
         self._generation += 1
@@ -123,8 +123,19 @@ class _RunnerPool:
 
 
 _runner_pool = _RunnerPool()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the thread that forked: drop the runners, registrations
+    and locks it inherited; `dbo.overlap` builds new runners there on first use."""
+    _runner_pool.reset_after_fork()
+    _context.reset_after_fork()
+    runner_module.reset_after_fork()
+    tracing.reset_after_fork()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_runner_pool.forget_after_fork)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_default_runners() -> None:
