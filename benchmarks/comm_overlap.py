@@ -35,32 +35,11 @@ the two apart ("tie").
 The first table measures two all-to-alls in flight at once, on one group or on one
 group each, against one after the other (the question behind `comm.ubatch_groups`).
 
-Machine notes (2 cores): each rank is pinned to its own core (every thread of the rank:
-ubatch threads and gloo's), so a baton handoff wakes the next ubatch on the core the
-previous one frees (a cross-core wake-up costs several times more on this VM); gloo's
-transfers need CPU too (TCP loopback copies, about 2/3 of a core while one runs), so
-the larger all-to-alls cannot be hidden behind compute and the ceiling is below 2x.
-
-What it showed on the project's 2-core VM: with both ubatches overlapped, each rank's
-core is ~100% busy (process CPU time ~= wall time), so every microsecond of overhead is
-step time. DBO trailed the hand-written pipeline by 1-23% over nine runs in the first
-three sessions; in the fourth, after the eventfd baton wake-ups (1.1 instead of ~3
-context switches per handoff) and `comm`'s direct process-group launch, it matched the
-bare threads (0.97-1.06) and trailed the pipeline by 2-11% over three runs. Side by
-side in one process (150 paired rounds at 256 KB), what remains is ~3% for one OS
-thread per ubatch plus the runner and ~2% for `comm`'s wrapper. `--greenlets` runs the
-schedule without OS threads; in the third session it matched the pipeline within the
-noise. Results vary by +-5-10% from run to run on this shared VM; compare columns
-within one run. In the sixth session (three runs, with the confidence intervals) the
-pipeline was ahead by 2-10%, "slower" in 8 of the 12 rows and a tie in the other 4
-(c ~ 2m everywhere); the bare threads were 1-5% ahead of DBO and the greenlets matched
-the pipeline (0.97-1.04). Process CPU time per step (ad hoc, 256 KB) was 1.4 ms (4%)
-more for DBO than for the bare threads with the same number of context switches: the
-gap is host work (dbo + comm, ~45 us per ubatch-layer on this saturated core, several
-times their cost measured in a tight loop), not waiting. In the seventh session `comm`
-took fewer steps per collective (3% off the step side by side) and came within ~1% of
-raw launches; over three runs DBO was 0-7% behind the bare threads and 2-10% behind
-the pipeline, the greenlets 0-4% behind it.
+Pinning: each rank is pinned to its own core (every thread of the rank: ubatch threads
+and gloo's), so a baton handoff wakes the next ubatch on the core the previous one
+frees; `--no-pin` lets the OS place them. gloo's transfers need CPU too (TCP loopback
+copies), so on a 2-core machine the largest all-to-alls cannot hide behind compute and
+the ceiling is below 2x. Compare columns within one run; the README shows current ratios.
 """
 
 from __future__ import annotations
@@ -85,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm  # noqa: E402
 import dbo  # noqa: E402
-from dbo._wakeup import Wakeup  # noqa: E402
+from dbo._wakeup import new_wakeup  # noqa: E402
 
 WORLD_SIZE = 2
 HIDDEN = 64
@@ -130,8 +109,7 @@ def _interleaved(
     names = list(modes)
     for round_index in range(rounds):
         # A new order each round (seeded by the round: the same on every rank), so that
-        # no mode keeps the same predecessor (a slow serial step, say) round after
-        # round; rotating one order kept each mode after the same one in most rounds.
+        # no mode keeps the same predecessor (a slow serial step, say) round after round.
         order = list(names)
         random.Random(round_index).shuffle(order)
         for name in order:
@@ -156,8 +134,7 @@ def _median_interval(values: list[float]) -> tuple[float, float]:
     """A confidence interval of at least 95% for the median of `values`, from their
     order statistics (distribution-free): `[x_(k), x_(n+1-k)]` with the largest k whose
     tails, P(Binomial(n, 1/2) < k) on each side, add up to at most 5%. (NaN, NaN) when
-    no such k exists (n < 6). A percentile bootstrap covered the median less often than
-    it said with few rounds (80% at 3 rounds, where it is just [min, max])."""
+    no such k exists (n < 6)."""
     n = len(values)
     tail, k = 0.0, 0
     while True:  # tail = P(B <= k) for the next candidate k + 1
@@ -264,17 +241,16 @@ class TwoThreads:
     each ubatch in its own OS thread.
 
     Thread u runs ubatch u's loop; where DBO yields, it wakes the other thread and parks
-    on its own wake-up. The wake-ups are the kind dbo's baton uses (`dbo._wakeup`: an
-    eventfd on Linux, where it costs one thread switch per handoff instead of a lock's
-    three), so the difference from DBO is dbo's own work. The threads persist across
+    on its own wake-up. The wake-ups are the kind dbo's baton uses (`dbo._wakeup`), so
+    the difference from DBO is dbo's own work. The threads persist across
     steps (like dbo's workers) and use one intra-op thread (dbo replays the caller's
     setting the same way).
     """
 
     def __init__(self, work: Workload, groups: tuple[Any, Any]) -> None:
         self._work, self._groups = work, groups
-        self._turn = [Wakeup(), Wakeup()]
-        self._start = [Wakeup(), Wakeup()]
+        self._turn = [new_wakeup(), new_wakeup()]
+        self._start = [new_wakeup(), new_wakeup()]
         self._done = [_thread.allocate_lock(), _thread.allocate_lock()]
         for lock in self._done:
             lock.acquire()

@@ -76,7 +76,7 @@ def test_the_median_interval_brackets_the_median_and_narrows_with_more_rounds() 
 
 def test_the_median_interval_is_the_order_statistics_one_and_none_under_six() -> None:
     """[x_(k), x_(n+1-k)] covers the median with probability >= 95% whatever the
-    distribution; the percentile bootstrap it replaces was [min, max] at 3 rounds (75%)."""
+    distribution; under 6 rounds no such interval exists."""
     import math
 
     interval = _benchmark_module()._median_interval

@@ -1,4 +1,5 @@
-"""comm collectives across real processes: inside dbo.overlap == the same calls outside.
+"""comm collectives across real processes: inside dbo.overlap == the same calls outside;
+a failed collective's handle raises at every wait; argument checks keep ranks in step.
 
 One spawned world per world size runs every check (2 and 3 ubatches, all four
 collectives, blocking and async, uneven and zero-size all-to-all splits); each rank
@@ -9,9 +10,13 @@ both runs still fails.
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+from typing import Any
+
 import pytest
 import torch
-from _spawn import expect_ok, run_world
+from _spawn import expect_ok, run_world, start_together
 
 import comm
 import dbo
@@ -168,3 +173,95 @@ def test_collectives_inside_overlap_equal_serial(world_size: int) -> None:
     # Every result of every ubatch, for 2 + 3 ubatches, on every rank.
     per_ubatch = len(_expected(0, world_size, 0))
     assert all(v["num_checked"] == per_ubatch * (2 + 3) for v in values), values
+
+
+def _waits_after_a_peer_never_joins(first_timeout_ms: int | None) -> list[str]:
+    start_together()
+    rank = comm.init_distributed(timeout_s=3)[0]
+    if rank == 1:
+        time.sleep(12)  # never joins the all-reduce below
+        return []
+    seen: list[str] = []
+    handle = comm.all_reduce(torch.ones(2), async_op=True)
+    assert handle is not None
+    if first_timeout_ms is not None:
+        try:  # the caller's own timeout: the collective is still in flight afterwards
+            handle.wait(timedelta(milliseconds=first_timeout_ms))
+            seen.append("returned")
+        except RuntimeError:
+            seen.append("in flight" if "in flight" in repr(handle) else repr(handle))
+    errors = []
+    for _ in range(3):  # the group's timeout: a failure, raised by every later wait
+        try:
+            seen.append(f"returned {handle.wait()!r}")
+        except RuntimeError as error:
+            errors.append(error)
+            seen.append("raised")
+    chained = all(
+        type(later) is RuntimeError
+        and later.__cause__ is errors[0]
+        and str(later).startswith("the collective all_reduce failed: ")
+        for later in errors[1:]
+    )
+    seen.append("later waits chain the first error" if chained else repr(errors))
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_every_wait_after_the_group_timed_out_raises() -> None:
+    """A peer never joins: the first wait raises the group's timeout, every later one a
+    RuntimeError chained to it; none returns as if the all-reduce had completed."""
+    results = run_world(
+        _waits_after_a_peer_never_joins, 2, args=(None,), timeout_s=60, exit_timeout_s=3
+    )
+    assert results[0].ok, results[0].traceback
+    assert results[0].value == [
+        "raised", "raised", "raised", "later waits chain the first error"
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_a_wait_whose_own_timeout_passed_leaves_the_collective_in_flight() -> None:
+    """`wait(timeout)` raises when its own timeout passes and the handle stays in flight
+    (a later wait waits again) until the collective itself fails."""
+    results = run_world(
+        _waits_after_a_peer_never_joins, 2, args=(300,), timeout_s=60, exit_timeout_s=3
+    )
+    assert results[0].ok, results[0].traceback
+    assert results[0].value == [
+        "in flight", "raised", "raised", "raised", "later waits chain the first error"
+    ]
+
+
+def _gather_layouts() -> list[Any]:
+    start_together()
+    rank, world = comm.init_distributed(timeout_s=15)[:2]
+    refused = []
+    for call in (
+        lambda: comm.reduce_scatter_tensor(torch.zeros(()), torch.ones(world)),  # gloo: SIGSEGV
+        lambda: comm.reduce_scatter_tensor(torch.zeros(3), torch.ones(world, 3)),
+        lambda: comm.all_gather_into_tensor(torch.zeros(world, 3), torch.ones(3)),
+        lambda: comm.all_gather_into_tensor(torch.zeros(world), torch.ones(())),
+    ):
+        try:
+            call()
+            refused.append("launched")
+        except ValueError as error:
+            refused.append("concatenation" in str(error))
+    # Nothing was launched above: the next collectives match across ranks.
+    gathered = torch.zeros(world * 2, 3)
+    comm.all_gather_into_tensor(gathered, torch.full((2, 3), float(rank)))
+    scattered = torch.zeros(2)
+    comm.reduce_scatter_tensor(scattered, torch.arange(world * 2.0))
+    return [refused, gathered[:, 0].tolist(), scattered.tolist()]
+
+
+@pytest.mark.timeout(120)
+def test_gloo_layouts_are_checked_before_launching_across_ranks() -> None:
+    """Layouts gloo rejects (a 0-dim reduce-scatter output crashes it) are refused on
+    every rank before anything is launched, so the ranks stay in step."""
+    values = expect_ok(run_world(_gather_layouts, 2, timeout_s=60))
+    for rank, (refused, gathered, scattered) in enumerate(values):
+        assert refused == [True] * 4
+        assert gathered == [0.0, 0.0, 1.0, 1.0]
+        assert scattered == [4.0 * rank, 4.0 * rank + 2.0]

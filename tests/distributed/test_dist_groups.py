@@ -1,6 +1,7 @@
-"""Review findings for `comm` that need several real processes (gloo on loopback).
-
-Each test reproduces a finding of a review (see its docstring) and guards its fix.
+"""comm's per-ubatch groups and init_distributed across real processes (gloo on
+loopback): duplicates match across ranks whatever each rank's group history, carry the
+right timeout, take non-members along in step, and a process initializes again under a
+shared store.
 """
 
 from __future__ import annotations
@@ -41,11 +42,8 @@ def _duplicates_of_a_subgroup_after_an_uneven_group_history() -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_ubatch_groups_of_a_subgroup_match_across_ranks_with_uneven_group_history() -> None:
-    """comm/groups.py:101-110 (line 107) creates subgroup duplicates with
-    use_local_synchronization=True, whose group name is
-    sha1(ranks + len(_world.pg_names)) on *each* rank: ranks that are members of a
-    different number of groups pick different names, rendezvous under different store
-    prefixes, and wait until the timeout (a hang with the default 300 s)."""
+    """Duplicates are named by a counter every rank advances alike: ranks that are
+    members of a different number of groups still rendezvous under the same names."""
     values = expect_ok(run_world(
         _duplicates_of_a_subgroup_after_an_uneven_group_history, 2, timeout_s=60
     ))
@@ -81,11 +79,9 @@ def _new_group_timeouts(call: Any) -> list[Any]:
 
 @pytest.mark.timeout(120)
 def test_adopted_world_duplicate_groups_use_the_given_timeout() -> None:
-    """comm/distributed.py:133-139: when the world was initialized elsewhere, the
-    registry's timeout stays None, so the per-ubatch duplicates (which carry every
-    collective made inside an overlap) get torch's default timeout (30 min for gloo)
-    instead of `timeout_s`: a diverged peer hangs for 30 minutes. The world's own
-    timeout (40 s here) differs, so that taking it instead of `timeout_s` fails too."""
+    """In a world initialized elsewhere, the per-ubatch duplicates (which carry every
+    collective made inside an overlap) get init_distributed's `timeout_s`, neither
+    torch's default nor the world's own timeout (40 s here)."""
     values = expect_ok(run_world(_adopted_world_duplicates_get_the_timeout, 2, timeout_s=60))
     for seen in values:
         assert len(seen) == 2, seen
@@ -103,9 +99,8 @@ def _subgroup_duplicates_record_timeouts() -> list[Any]:
 
 @pytest.mark.timeout(120)
 def test_duplicates_of_a_subgroup_get_the_subgroups_timeout() -> None:
-    """comm/groups.py _new_group gave every duplicate the registry's one timeout (that of
-    init_distributed): a subgroup made with a short timeout got duplicates that waited
-    for the long one inside an overlap, where a diverged peer should raise soonest."""
+    """A subgroup's duplicates time out when the subgroup would (7 s), not at
+    init_distributed's timeout."""
     values = expect_ok(run_world(_subgroup_duplicates_record_timeouts, 2, timeout_s=60))
     for seen in values:
         assert seen == [timedelta(seconds=7)] * 2, seen
@@ -157,3 +152,91 @@ def _initialize_again_skewed() -> list[float]:
 def test_initializing_again_in_one_process_under_a_shared_store() -> None:
     values = expect_ok(run_world(_initialize_again_skewed, 2, timeout_s=90))
     assert values == [[2.0, 2.0, 2.0]] * 2
+
+
+def _all_ranks_still_in_step() -> float:
+    """A group creation and an all-reduce over the whole world of 3: they complete (3.0)
+    only if every rank's group counter still agrees; otherwise the ranks hang."""
+    import torch.distributed as dist
+
+    everyone = dist.new_group([0, 1, 2])
+    value = torch.ones(1)
+    dist.all_reduce(value, group=everyone)
+    return float(value[0])
+
+
+def _repeated_ubatch_groups_with_non_members() -> list[Any]:
+    import torch.distributed as dist
+
+    start_together()
+    rank = comm.init_distributed(timeout_s=15, num_ubatch_groups=0)[0]
+    first = dist.new_group([0, 1])  # rank 2 is not a member
+    second = dist.new_group([0, 2])  # rank 1 is not a member
+    made = []
+    for group, ranks, counts in ((first, [0, 1], (2, 2)), (second, [0, 2], (1, 2, 1))):
+        for count in counts:  # the same calls on every rank (members ignore ranks=, key=)
+            made.append(len(comm.ubatch_groups(group, count, ranks=ranks, key=tuple(ranks))))
+            if rank in ranks:
+                for duplicate in comm.ubatch_groups(group, count):
+                    value = torch.ones(1)
+                    dist.all_reduce(value, group=duplicate)
+                    assert float(value[0]) == 2.0
+    return [*made, _all_ranks_still_in_step()]
+
+
+@pytest.mark.timeout(150)
+def test_a_non_member_repeating_ubatch_groups_stays_in_step_with_the_members() -> None:
+    """With `key=`, a non-member creates only the duplicates the members create: a
+    repeated (group, 2) creates none, (group, 1) then (group, 2) one more, and every
+    later group creation on the world still matches."""
+    values = expect_ok(run_world(_repeated_ubatch_groups_with_non_members, 3, timeout_s=90))
+    assert values[0] == [2, 2, 1, 2, 1, 3.0]
+    assert values[1] == [2, 2, 0, 0, 0, 3.0]
+    assert values[2] == [0, 0, 1, 2, 1, 3.0]
+
+
+def _same_ranks_base_groups_one_call_each_without_key() -> list[Any]:
+    import torch.distributed as dist
+
+    start_together()
+    comm.init_distributed(timeout_s=15, num_ubatch_groups=0)
+    tensor_parallel = dist.new_group([0, 1])
+    expert_parallel = dist.new_group([0, 1])  # the same ranks, another group
+    made = [len(comm.ubatch_groups(g, 2, ranks=[0, 1])) for g in (tensor_parallel, expert_parallel)]
+    return [*made, _all_ranks_still_in_step()]
+
+
+@pytest.mark.timeout(150)
+def test_same_rank_base_groups_with_one_call_each_need_no_key() -> None:
+    """Without key=, every non-member call creates its groups: two base groups with the
+    same ranks, one call each, stay in step."""
+    values = expect_ok(
+        run_world(_same_ranks_base_groups_one_call_each_without_key, 3, timeout_s=90)
+    )
+    assert values[0] == values[1] == [2, 2, 3.0]
+    assert values[2] == [0, 0, 3.0]
+
+
+def _same_ranks_base_groups_told_apart_by_key() -> list[Any]:
+    import torch.distributed as dist
+
+    start_together()
+    rank = comm.init_distributed(timeout_s=15, num_ubatch_groups=0)[0]
+    tensor_parallel = dist.new_group([0, 1])
+    expert_parallel = dist.new_group([0, 1])  # the same ranks, another group
+    made = []
+    for group, key in ((tensor_parallel, "tp"), (expert_parallel, "ep"), (tensor_parallel, "tp")):
+        made.append(len(comm.ubatch_groups(group, 2, ranks=[0, 1], key=key)))
+    if rank < 2:
+        duplicates = comm.ubatch_groups(tensor_parallel) + comm.ubatch_groups(expert_parallel)
+        assert len(set(duplicates)) == 4
+    return [*made, _all_ranks_still_in_step()]
+
+
+@pytest.mark.timeout(150)
+def test_a_non_member_tells_same_rank_base_groups_apart_by_key() -> None:
+    """A non-member has no group object: `key=` (ignored by members) tells two base
+    groups with the same ranks apart, so repeated calls stay in step."""
+    values = expect_ok(run_world(_same_ranks_base_groups_told_apart_by_key, 3, timeout_s=90))
+    assert values[0] == values[1] == [2, 2, 2, 3.0]
+    assert values[2] == [0, 0, 0, 3.0]

@@ -7,18 +7,15 @@ the whole world (every rank's tokens, every expert, no communication): the distr
 backward computes the gradient of the sum of the ranks' losses.
 
 - (a) an overlapped forward whose ubatch threads record data-dependent numbers of
-  autograd ops (the order of the backward exchanges used to follow each thread's
-  autograd sequence counter: the ranks paired the wrong ubatches' exchanges and the
-  gradients came out silently wrong);
+  autograd ops (ordered by each thread's sequence counter alone, the ranks would pair
+  the wrong ubatches' exchanges and get silently wrong gradients);
 - (b) the usual expert loop that skips experts with no rows, overlapped (the same
-  mismatch, with different sizes: gloo aborted);
+  hazard, with different sizes: a gloo abort);
 - (c) without dbo, a rank whose `expert_out` does not require grad (no rows for its
-  experts, or frozen experts): it used to issue no backward all-to-alls while its peer
-  did (a hang or an abort);
+  experts, or frozen experts) still runs both backward all-to-alls, sending zeros;
 - (d) only the experts train (the layer's input needs no grad on any rank) and one
-  rank's experts get no rows: that rank's `combine` had no backward while its peer's
-  did (its loss did not even require grad; the peer waited, or paired the exchange
-  with a later collective and read garbage counts).
+  rank's experts get no rows: that rank's `combine` still records a backward, so its
+  peer neither waits nor pairs the exchange with a later collective.
 """
 
 from __future__ import annotations
@@ -255,6 +252,6 @@ def test_backward_when_a_ranks_expert_out_does_not_require_grad(name: str) -> No
 def test_backward_when_only_the_experts_train_and_a_rank_gets_no_rows(mode: str) -> None:
     """(d) x needs no grad on any rank: whether `combine` is differentiable depends on
     `expert_out` alone, which needs none on the rank whose experts got no rows. The ranks
-    now agree (one flag all-reduce per such `combine`): every rank takes part in the
+    agree (one flag all-reduce per such `combine`): every rank takes part in the
     backward, and the experts' gradients include the tokens of the rank with no rows."""
     _check_against_reference("experts_only_train", mode)

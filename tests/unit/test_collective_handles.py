@@ -257,7 +257,7 @@ def test_a_failed_handle_releases_its_tensors() -> None:
     del activation
     with contextlib.suppress(RuntimeError):
         handle.wait()
-    assert alive() is None  # the handle no longer holds the failed call's tensors
+    assert alive() is None  # a failed handle holds none of the call's tensors
 
 
 class _StrRaises(RuntimeError):
