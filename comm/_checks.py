@@ -47,10 +47,8 @@ def _still_registered(group: dist.ProcessGroup) -> bool:
 
 def resolve_group(group: Any) -> dist.ProcessGroup:
     """The process group a collective runs on: `group`, or the default group for None.
-
-    Raises RuntimeError when torch.distributed is not initialized, TypeError for a
-    non-group, ValueError when this rank is not a member of `group`.
-    """
+    RuntimeError when torch.distributed is not initialized, TypeError for a non-group,
+    ValueError when this rank is not a member of `group`."""
     return resolve_group_and_facts(group)[0]
 
 

@@ -33,15 +33,10 @@ def _method(*names: str) -> Any:
 class _Direct(NamedTuple):
     """What the direct launch of one collective needs from this torch."""
 
-    method: Any
-    """The ProcessGroup method torch.distributed's function calls."""
-    options_type: Any
-    """Its options type (`AllreduceOptions`, ...)."""
-    has_async_op: bool
-    """Whether those options have `asyncOp` (newer torch)."""
-    plain_options: tuple[Any, Any]
-    """The options without a reduce op, for a blocking and an async launch (index
-    `async_op`), built once."""
+    method: Any  # the ProcessGroup method torch.distributed's function calls
+    options_type: Any  # its options type (`AllreduceOptions`, ...)
+    has_async_op: bool  # whether those options have `asyncOp` (newer torch)
+    plain_options: tuple[Any, Any]  # without a reduce op, blocking and async, built once
 
 
 def _new_options(

@@ -46,12 +46,8 @@ class _State:
 
     device: torch.device | None = None
     ubatch_groups_done: bool = False
-    world: weakref.ref[dist.ProcessGroup] | None = None
-    """The default group these answers are about (weakly; a world started again with
-    torch's own calls is adopted afresh)."""
-    worlds_started: int = 0
-    """Worlds this process has initialized over the torchrun store: the rendezvous
-    prefix of the next one."""
+    world: weakref.ref[dist.ProcessGroup] | None = None  # the default group they are about
+    worlds_started: int = 0  # over the torchrun store: the next rendezvous prefix
 
 
 _state = _State()
