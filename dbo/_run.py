@@ -28,8 +28,8 @@ class UBatchStreams:
 
 
 _HOOK_POLL_LIMIT_S = 30.0
-"""How long recv hooks run for a ubatch that has returned may keep registering new ones
-(polling for a receive to complete) before the run fails."""
+"""How long hooks for a ubatch that has returned may keep registering new ones (polling
+for a receive) before the run fails."""
 
 
 class OverlapRun:
@@ -65,16 +65,14 @@ class OverlapRun:
         ]
         """(owner, hook) pairs waiting for ubatch k, registered by the ubatch before it."""
         self._running_hook_owner: list[int | None] = [None] * num_ubatches
-        """While ubatch k's thread runs a hook: the ubatch that hook belongs to. A stage
-        the hook registers (a two-stage receive) belongs to that ubatch too, whose
-        streams must wait for it, not to the thread that happened to run the first."""
+        """While ubatch k's thread runs a hook: the ubatch that hook belongs to, which
+        also owns a stage the hook registers (a two-stage receive)."""
         self._finished = [False] * num_ubatches
         self._exit_callbacks: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
         self.first_failure: tuple[int, BaseException] | None = None
         """The ubatch that failed first and its exception (what the caller re-raises)."""
         self.state: dict[str, Any] = {}
-        """`dbo.run_state()`: free-form state that library code shares between the ubatch
-        threads of this run (e.g. `comm.moe`'s backward order token); dropped with the run."""
+        """`dbo.run_state()`, dropped with the run."""
 
     @property
     def owner(self) -> object | None:
@@ -130,26 +128,16 @@ class OverlapRun:
                 return
 
     def run_remaining_hooks(self, ubatch_id: int) -> None:
-        """At a ubatch's normal end: run the hooks still pending for it, then the hooks it
-        registered for a ubatch that has already finished (nobody else would run them),
-        until none is left (a hook run here that registers another, a two-stage receive,
-        registers it for that finished ubatch again). Idempotent.
-
-        Its own hooks run until none is left before it counts as finished: a hook that
-        yields lets the previous ubatch register another for it, which that ubatch,
-        seeing its target not finished yet, leaves to it. Once the last call ran none
-        (so did not yield), nothing can register in between.
-        """
-        # No time limit here: each new hook for this ubatch comes from the previous
-        # one's progress (it registers one per step while this one's hooks yield).
+        """At a ubatch's normal end: run the hooks pending for it until none is left (a
+        hook that yields lets the previous ubatch register another), count it finished,
+        then run the hooks it registered for a ubatch that has already finished (nobody
+        else would), for at most `_HOOK_POLL_LIMIT_S` while they keep registering more."""
         while self.maybe_run_recv_hook(ubatch_id):
-            pass
+            pass  # no time limit: each new hook comes from the previous ubatch's progress
         self._finished[ubatch_id] = True
         target = (ubatch_id + 1) % self.num_ubatches
         deadline = None
         while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
-            # A hook that registers itself again polls (a receive not complete yet):
-            # fine for a while; one that never stops would spin here for good.
             now = time.monotonic()
             if deadline is None:
                 deadline = now + _HOOK_POLL_LIMIT_S
@@ -167,11 +155,9 @@ class OverlapRun:
         return streams.comm if self.on_comm[ubatch_id] else streams.compute
 
     def switch_stream(self, ubatch_id: int, to_comm: bool, yield_first: bool) -> None:
-        """Move `ubatch_id` to its comm (or compute) stream, ordered after the one it leaves.
-
-        The event is recorded on the stream being left *before* any yield, so it covers
-        only this ubatch's own work; recorded after the yield it would also cover the
-        other ubatch's kernels and serialize the two.
+        """Move `ubatch_id` to its comm (or compute) stream, ordered after the one it
+        leaves by an event recorded *before* any yield: it covers only this ubatch's
+        work (after the yield it would cover the other's kernels and serialize the two).
         """
         if self.on_comm[ubatch_id] == to_comm:
             where = "comm" if to_comm else "compute"
@@ -201,10 +187,8 @@ class OverlapRun:
         """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran.
 
         `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook's
-        kernels (a receive) go to the running thread's current stream, but its owner
-        reads the result on its own streams: both of the owner's streams then wait for
-        an event recorded after the hooks. The owner is parked, so nothing it enqueued
-        later is held back.
+        kernels go to the running thread's current stream; both streams of its owner
+        (parked meanwhile) then wait for an event recorded after the hooks.
         """
         pending = self._hooks_for[ubatch_id]
         if not pending:
@@ -217,13 +201,10 @@ class OverlapRun:
             try:
                 hook()
             except BaseException as error:  # noqa: B036 - re-raised, with where it came from
-                # The ones after it stay queued, ahead of any registered since: `fn`
-                # may catch the error and run them; the ones before it ran, and their
-                # owners must still read what they received in order.
+                # The ones after it stay queued (`fn` may catch the error and run them);
+                # the owners of the ones before it still read what they received in order.
                 self._hooks_for[ubatch_id][:0] = pending[index + 1 :]
                 self._order_owners_after(pending[:index], running)
-                # The error surfaces in the thread that ran the hook; its author looks
-                # for the ubatch that registered it.
                 add_note(error, f"in a recv hook registered by ubatch {owner}")
                 raise
             finally:

@@ -58,21 +58,17 @@ class Baton:
         """When `holder` got the baton, or last yielded alone (perf_counter seconds): the
         watchdog's clock."""
         self.num_turns = 0
-        """Turns started: handoffs, and yields of a ubatch left alone (the watchdog's
-        sign that the holder moved on even if `holder` reads the same)."""
+        """Turns started, yields of a ubatch left alone included (the watchdog's sign
+        that the holder moved on even if `holder` reads the same)."""
         self._turn_start: list[float | None] = [None] * num_ubatches
-        """When each ubatch's thread last woke holding the baton (None: it never did, a
-        job revoked before it started): a traced turn starts there, not at the handoff,
-        so the successor's wake-up latency is a gap between turns, not host work."""
+        """When each ubatch's thread last woke holding the baton (None: never): where a
+        traced turn starts, so that a wake-up's latency is a gap between turns."""
 
     # ------------------------------------------------------------------ caller side
     def start(self) -> None:
         """Give the baton to ubatch 0; call once every ubatch's thread can see its job.
-
-        If the run was aborted before (a `close()` from another thread), wake every live
-        ubatch instead: that abort's wake-ups may have come before the jobs did, and a
-        parked worker only looks for its job when woken.
-        """
+        If the run was aborted already (`close()`), wake every live ubatch instead: that
+        abort's wake-ups may have come before the jobs did."""
         with self._mutex:
             if not self.aborted:
                 self._make_holder(0)
@@ -97,10 +93,8 @@ class Baton:
 
         Without `wake_all` (a ubatch failed), the others unwind one at a time, each when
         the baton reaches it. With `wake_all` (the watchdog, an interrupted caller,
-        `close()`), every live ubatch is woken at once, since the holder may never hand
-        the baton on; they then unwind concurrently with it. The holder is woken too:
-        it may be parked in its first wait for the baton (an interrupt can land between
-        making it the holder and waking it); a running holder just finds a spare hint.
+        `close()`), every live ubatch is woken at once, the holder too (it may be parked
+        in its first wait), since the holder may never hand the baton on.
         """
         with self._mutex:
             if not self.aborted:
@@ -157,12 +151,8 @@ class Baton:
 
     def finish(self, ubatch_id: int) -> None:
         """`ubatch_id` is done: pass the baton on if it held it, and signal the caller if
-        it was the last. Idempotent.
-
-        A ubatch that did not hold the baton (its job revoked by an interrupted caller,
-        or woken by the watchdog while another ubatch is stuck) passes nothing on: the
-        holder is still running, or the run is aborted and every live ubatch was woken.
-        """
+        it was the last. Idempotent. A ubatch that did not hold the baton (a revoked job,
+        one woken by a forced abort) passes nothing on."""
         successor = None
         with self._mutex:
             if not self._live[ubatch_id]:
@@ -170,8 +160,7 @@ class Baton:
             recording = tracing._active
             held = self.holder == ubatch_id
             started = self._turn_start[ubatch_id]
-            if recording is not None and held and started is not None:
-                # (A job revoked before it started held the baton but never ran a turn.)
+            if recording is not None and held and started is not None:  # it ran a turn
                 recording.add("baton", ubatch_id, started, time.perf_counter())
             self._live[ubatch_id] = False
             self._num_live -= 1
@@ -189,14 +178,11 @@ class Baton:
 
     # ------------------------------------------------------------------ internals
     def _park(self, ubatch_id: int) -> None:
-        """Wait until `ubatch_id` holds the baton (then raise if the run was aborted), or
-        until a forced abort (then raise).
+        """Wait until `ubatch_id` holds the baton or a forced abort; raise if aborted.
 
-        A wake-up is only a hint, `holder` is the truth: a set left over from a run
-        aborted earlier (coalesced, never consumed) or from the abort racing a handoff
-        wakes a thread whose turn it is not, and it parks again. A plain abort does not
-        end the wait either: a ubatch that handed the baton on but had not parked yet
-        when another failed still unwinds in its turn, not alongside the holder.
+        A wake-up is only a hint, `holder` is the truth: a set left over from an earlier
+        abort wakes a thread whose turn it is not, and it parks again. A plain abort
+        does not end the wait: each ubatch unwinds in its turn, not alongside the holder.
         """
         wake = self._wake[ubatch_id]
         while self.holder != ubatch_id and not self._forced:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import atexit
 import enum
 import math
@@ -18,24 +17,23 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from dbo import _affinity, _thread_settings, _wakeup
+from dbo import _affinity, _thread_settings
 from dbo._checks import check_num_ubatches
-from dbo._context import UBatchContext, current_context, registered
+from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
+from dbo._worker import UBatchJob, Worker, stop_workers
 from dbo.baton import Baton
 from dbo.device import DeviceBackend, backend_for
-from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id, describe
+from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
 _Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
 _ABORT_GRACE_S = 0.5
-"""After the watchdog fires or the caller is interrupted, how long the caller waits for
-the ubatches to unwind before it leaves the runner broken."""
+"""How long an aborted run's ubatches get to unwind before the runner is left broken."""
 
 EXIT_WAIT_S = 30.0
-"""At interpreter exit, how long to wait in all for the ubatches that aborted runs left
-running: a daemon thread still inside a torch op when the interpreter finalizes is
-killed inside C++, and the process ends in SIGABRT instead of with its own status."""
+"""At exit, how long to wait in all for the ubatches that aborted runs left running: a
+daemon thread inside a torch op at finalization would end the process in SIGABRT."""
 
 _left_running: list[Baton] = []
 """Batons of aborted runs whose ubatches had not all ended (waited for at exit)."""
@@ -98,17 +96,14 @@ def check_timeout(timeout_s: Any) -> float | None:
 
 
 class RunnerState(enum.Enum):
-    """The lifecycle of a `UBatchRunner`."""
+    """The lifecycle of a `UBatchRunner`. BROKEN: a ubatch of an aborted run (watchdog,
+    interrupt) still runs, and runs are refused until it returns. CLOSED: the workers
+    are stopped (or stop once their ubatch returns), and runs are refused."""
 
     IDLE = "idle"
-    """The workers are parked, ready for a run."""
     RUNNING = "running"
-    """A run is in progress."""
     BROKEN = "broken"
-    """A ubatch of an aborted run (watchdog, interrupt) still runs; runs are refused
-    until it returns, then the runner is idle again."""
     CLOSED = "closed"
-    """The workers are stopped, or stop once their ubatch returns; runs are refused."""
 
 
 _TRANSITIONS: dict[RunnerState, frozenset[RunnerState]] = {
@@ -127,12 +122,10 @@ class UBatchRunner:
         device: where the ubatches' streams live. None: the device of the first CUDA
             tensor in each run's inputs (CPU when there is none).
 
-    The workers start with the runner and live until `close()`, until the runner is
-    garbage-collected, or until interpreter exit (they are daemon threads). One run at a
-    time: concurrent `run` calls from several threads are serialized, so a thread that
-    a ubatch starts and waits for must not call `run` on the same runner (it would wait
-    for the run that waits for it; `dbo.overlap` leases another runner). Use as a context
-    manager to close it. In a process forked after the runner was created, `run` raises
+    The workers (daemon threads) live until `close()`, garbage collection of the runner,
+    or interpreter exit. Runs are serialized: a thread that a ubatch starts and waits for
+    must not call `run` on the same runner (`dbo.overlap` leases another). A context
+    manager closes it. In a process forked after the runner was created, `run` raises
     RuntimeError and `close` does nothing; forking from inside a ubatch is unsupported.
     """
 
@@ -140,20 +133,18 @@ class UBatchRunner:
         self.num_ubatches = check_num_ubatches(num_ubatches)
         self.device = None if device is None else torch.device(device)
         self.cpus = _affinity.cpus_of_this_thread()
-        """The CPUs of the creating thread, which the workers inherit and keep (Linux;
-        None elsewhere)."""
+        """The CPUs of the creating thread, which the workers keep (None: not Linux)."""
         self._pid = os.getpid()
-        self._run_lock = threading.Lock()
-        """Held for the whole of a run: runs are serialized."""
+        self._run_lock = threading.Lock()  # held for the whole of a run
         self._mutex = threading.Lock()
         """Guards `_state`, `_run` and `_jobs` (`close()` reads them during a run)."""
         self._state = RunnerState.IDLE
         self._run: OverlapRun | None = None
         """The run in progress (RUNNING), or the aborted run still running (BROKEN)."""
-        self._jobs: list[_UBatchJob] = []
+        self._jobs: list[UBatchJob] = []
         self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
         self._workers = [
-            _Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}", self.cpus)
+            Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}", self.cpus)
             for i in range(self.num_ubatches)
         ]
         try:
@@ -161,10 +152,10 @@ class UBatchRunner:
                 worker.start()
         except BaseException:
             # An interrupt while a thread starts: nothing will refer to this runner.
-            _stop_workers(self._workers, self._pid)
+            stop_workers(self._workers, self._pid)
             raise
         # A runner dropped without close() must not leave its threads parked forever.
-        weakref.finalize(self, _stop_workers, self._workers, self._pid)
+        weakref.finalize(self, stop_workers, self._workers, self._pid)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -226,7 +217,7 @@ class UBatchRunner:
             assert run is not None, "a RUNNING runner has a run"
             run.baton.abort("the runner was closed", wake_all=True)
             return  # the run stops the workers when it ends (`_end`)
-        _stop_workers(self._workers, self._pid)
+        stop_workers(self._workers, self._pid)
         if previous is RunnerState.IDLE:
             for worker in self._workers:
                 worker.thread.join(_bounded(timeout_s))
@@ -265,21 +256,19 @@ class UBatchRunner:
         `device` picks the ubatch streams for this run when the runner has none of its
         own; by default, the device of the first CUDA tensor in the inputs (else CPU).
 
-        Threading: ubatch 0 starts; a ubatch gives the baton to the next live ubatch only
-        at a yield point (`dbo.yield_()` and the `yield_and_switch_*` calls) or when `fn`
-        returns or raises. Each ubatch thread runs with the caller's torch settings
-        (`dbo._thread_settings`) on the CPUs of the thread that created the runner.
+        Threading: ubatch 0 starts; a ubatch passes the baton to the next live ubatch only
+        at a yield point or when `fn` returns or raises. Each ubatch thread runs with the
+        caller's torch settings (`dbo._thread_settings`).
 
         Streams (CUDA): ubatch i starts on its compute stream, which waits for the
         caller's current stream; before `run` returns, the caller's current stream waits
         for every ubatch's compute and comm streams. No host synchronization.
 
         Errors: if a ubatch raises, the others raise `UBatchAbortedError` at their next
-        yield point (so their `finally` blocks run), and `run` re-raises the first
-        failure with a note and a `ubatch_id` attribute naming its ubatch. With
-        `timeout_s`, a ubatch that holds the baton longer raises `OverlapTimeoutError`
-        here, with that ubatch's stack; if it has not unwound 0.5 s later, the runner is
-        BROKEN until it returns. RuntimeError if the runner is closed or broken.
+        yield point, and `run` re-raises the first failure with a note and a `ubatch_id`
+        attribute naming its ubatch. With `timeout_s`, a ubatch holding the baton longer
+        raises `OverlapTimeoutError` here, with its stack; one still running 0.5 s later
+        leaves the runner BROKEN until it returns. RuntimeError if closed or broken.
         """
         timeout_s = check_timeout(timeout_s)
         inputs = self._checked_inputs(ubatch_inputs)
@@ -296,7 +285,7 @@ class UBatchRunner:
             errors: list[BaseException | None] = [None] * self.num_ubatches
             settings = _thread_settings.capture()
             jobs = [
-                _UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
+                UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
                 for ubatch_id, (args, kwargs) in enumerate(inputs)
             ]
             self._begin(run, jobs)
@@ -351,7 +340,7 @@ class UBatchRunner:
             cached = self._streams[device] = (backend, streams)
         return cached
 
-    def _begin(self, run: OverlapRun, jobs: list[_UBatchJob]) -> None:
+    def _begin(self, run: OverlapRun, jobs: list[UBatchJob]) -> None:
         """IDLE -> RUNNING with `run`; RuntimeError if the runner is closed or broken."""
         with self._mutex:
             self._recover_if_ended()
@@ -375,13 +364,13 @@ class UBatchRunner:
                 self._set_state(RunnerState.IDLE if ended else RunnerState.BROKEN)
             closed = self._state is RunnerState.CLOSED
         if closed:
-            _stop_workers(self._workers, self._pid)
+            stop_workers(self._workers, self._pid)
 
     def _start_and_wait(
-        self, run: OverlapRun, jobs: list[_UBatchJob], timeout_s: float | None
+        self, run: OverlapRun, jobs: list[UBatchJob], timeout_s: float | None
     ) -> None:
-        """Hand each worker its job, give ubatch 0 the baton, and wait for the run to end;
-        on the watchdog or an interrupt, abort the run before re-raising."""
+        """Hand out the jobs, start the baton, wait; on the watchdog or an interrupt, abort
+        the run before re-raising."""
         try:
             for worker, job in zip(self._workers, jobs):
                 worker.submit(job)
@@ -391,10 +380,10 @@ class UBatchRunner:
             self._abort(run, jobs, error)
             raise
 
-    def _abort(self, run: OverlapRun, jobs: list[_UBatchJob], error: BaseException) -> None:
-        """No ubatch may stay parked: abort the run, so that a job the baton reaches from
-        here on unwinds; count the jobs that never started as finished; wake every
-        ubatch; give them `_ABORT_GRACE_S` to unwind."""
+    def _abort(self, run: OverlapRun, jobs: list[UBatchJob], error: BaseException) -> None:
+        """No ubatch may stay parked: abort (a job the baton reaches from here on unwinds),
+        count the jobs that never started as finished, wake every ubatch, and give them
+        `_ABORT_GRACE_S` to unwind."""
         reason = (
             "the watchdog fired" if isinstance(error, OverlapTimeoutError)
             else f"the caller was interrupted ({type(error).__name__})"
@@ -477,141 +466,14 @@ class UBatchRunner:
         return "".join(traceback.format_stack(frame))
 
 
-class _Worker:
-    """One persistent thread; runs the jobs handed to it, one at a time, on the CPUs it
-    was started with (`dbo._affinity`).
-
-    The worker parks on its `wake` between jobs, and the baton of each run parks the
-    worker's ubatch on the same wake-up: a submitted job starts when the baton first
-    reaches its ubatch (or the run is aborted), with one wake-up, not two.
-    """
-
-    def __init__(self, name: str, cpus: frozenset[int] | None) -> None:
-        self._cpus = cpus
-        self.wake = _wakeup.new_wakeup()
-        self._job: _UBatchJob | None = None
-        self._stopping = False
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-
-    def start(self) -> None:
-        """Start the thread (not in `__init__`: the runner holds every worker before
-        any thread runs, so that it can stop them all if a start is interrupted)."""
-        self.thread.start()
-
-    def submit(self, job: _UBatchJob) -> None:
-        """Hand `job` to the worker, to run at its next wake-up (its baton turn); it
-        replaces a job an interrupted run left here, which was revoked."""
-        self._job = job
-
-    def stop(self) -> None:
-        """End the thread once its current job, if any, returns."""
-        self._stopping = True
-        self.wake.set()
-
-    def _loop(self) -> None:
-        while True:
-            self.wake.wait()  # a wake-up without a job (left over from an abort): park again
-            job, self._job = self._job, None
-            if job is not None:
-                try:
-                    job()
-                except BaseException:  # noqa: B036 - the worker must outlive it
-                    # The job hands every failure of `fn` to its caller; one escaping
-                    # here is the runtime's own, and a dead worker would hang later runs.
-                    print(f"dbo: unexpected error in worker {self.thread.name} "
-                          "(it keeps running):", file=sys.stderr)
-                    traceback.print_exc()
-                job = None  # a parked worker must not keep the last run's tensors alive
-                _affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
-            if self._stopping:
-                return
-
-
-class _UBatchJob:
-    """What a worker thread does for ubatch `ubatch_id` of one run; runs at most once."""
-
-    __slots__ = (
-        "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim",
-        "revoked",
-    )
-
-    def __init__(
-        self,
-        run: OverlapRun,
-        ubatch_id: int,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        settings: _thread_settings.ThreadSettings,
-        results: list[Any],
-        errors: list[BaseException | None],
-    ) -> None:
-        self.run, self.ubatch_id, self.fn = run, ubatch_id, fn
-        self.args, self.kwargs, self.settings = args, kwargs, settings
-        self.results, self.errors = results, errors
-        self._claim = _thread.allocate_lock()
-        """Taken once: by the worker when the job starts, or by `revoke`."""
-        self.revoked = False
-        """Whether `revoke` stopped it: it never runs, so the caller counts it as finished."""
-
-    def revoke(self) -> bool:
-        """Stop the job from ever running; False if it has already started."""
-        if not self._claim.acquire(blocking=False):
-            return False
-        self.revoked = True
-        self._drop_references()  # it may sit in its worker until the next submit
-        return True
-
-    def _drop_references(self) -> None:
-        """Forget the run, `fn`, the inputs and the outputs: they belong to the caller."""
-        self.run = self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
-        self.results = self.errors = None  # type: ignore[assignment]
-
-    def __call__(self) -> None:
-        if not self._claim.acquire(blocking=False):
-            return  # revoked by an aborted run, which counted this ubatch as finished
-        run, ubatch_id = self.run, self.ubatch_id
-        try:
-            context = UBatchContext(ubatch_id, run.num_ubatches, run)
-            with registered(context), _thread_settings.applied(self.settings):
-                run.baton.wait_turn(ubatch_id)
-                previous_stream = run.backend.current_stream()
-                run.enter(ubatch_id)
-                try:
-                    self.results[ubatch_id] = self.fn(*self.args, **self.kwargs)
-                    run.finish_normally(ubatch_id)
-                finally:
-                    run.exit(ubatch_id, previous_stream)
-        except BaseException as error:  # noqa: B036 - every failure must reach the caller
-            self.errors[ubatch_id] = error
-            # An abort error is a consequence of another failure only in an aborted run;
-            # raised by `fn` in a live one (from another runner's run), it is this
-            # ubatch's own failure, and the others must unwind.
-            if not (isinstance(error, UBatchAbortedError) and run.baton.aborted):
-                # After a forced wake-up several ubatches may race here: any is fine.
-                if run.first_failure is None:
-                    run.first_failure = (ubatch_id, error)
-                run.baton.abort(f"ubatch {ubatch_id} raised {describe(error)}")
-        finally:
-            # Drop references before waking the caller: this frame is on the traceback
-            # of an error raised here, and the run holds that error (a cycle).
-            baton = run.baton
-            self._drop_references()
-            run = context = None  # type: ignore[assignment]
-            baton.finish(ubatch_id)
-
-
 _MAX_STREAM_DRAWS = 128
-"""New streams drawn, at most, looking for ones distinct from the others (CUDA's pool
-holds 32 per priority)."""
+"""New streams drawn, at most, looking for distinct ones (CUDA's pool holds 32)."""
 
 
 def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
     """`count` streams that are distinct device queues, none of them the caller's
-    current stream: two ubatch streams sharing one queue would serialize their work.
-
-    Raises RuntimeError when the device cannot give that many (more ubatches than its
-    stream pool holds)."""
+    current stream (a shared queue would serialize two ubatches); RuntimeError when
+    the device cannot give that many."""
     taken = {backend.stream_key(backend.current_stream())}
     streams: list[Any] = []
     for _ in range(_MAX_STREAM_DRAWS):
@@ -631,23 +493,11 @@ def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
     return streams
 
 
-def _stop_workers(workers: list[_Worker], pid: int) -> None:
-    """Stop `workers`, unless this is a process forked since they started (they are
-    the parent's, and their wake-ups are shared with it)."""
-    if os.getpid() == pid:
-        for worker in workers:
-            worker.stop()
-
-
 def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:
     """The error that caused the failure: the first that is not an abort, else the first."""
-    for ubatch_id, error in enumerate(errors):
-        if error is not None and not isinstance(error, UBatchAbortedError):
-            return ubatch_id, error
-    for ubatch_id, error in enumerate(errors):
-        if error is not None:
-            return ubatch_id, error
-    return None
+    failures = [(ubatch_id, error) for ubatch_id, error in enumerate(errors) if error is not None]
+    own = [failure for failure in failures if not isinstance(failure[1], UBatchAbortedError)]
+    return (own or failures)[0] if failures else None
 
 
 def _first_tensor_device(inputs: _Inputs) -> torch.device:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dbo
+from dbo import _worker
 from dbo import runner as runner_module
 from dbo.runner import RunnerState
 
@@ -160,7 +161,7 @@ def test_close_while_jobs_are_being_submitted_aborts_the_run(
 ) -> None:
     """close() during the hand-out of the jobs aborts the run: every ubatch unwinds,
     the one whose job came after the abort too, and the caller gets the abort."""
-    original_submit = runner_module._Worker.submit
+    original_submit = _worker.Worker.submit
     reached, gate = threading.Event(), threading.Event()
     calls: list[int] = []
 
@@ -171,7 +172,7 @@ def test_close_while_jobs_are_being_submitted_aborts_the_run(
             gate.wait(timeout=10)
         original_submit(self, job)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(runner_module._Worker, "submit", slow_second_submit)
+    monkeypatch.setattr(_worker.Worker, "submit", slow_second_submit)
     runner = dbo.UBatchRunner(num_ubatches=2)
     outcome: list[object] = []
 

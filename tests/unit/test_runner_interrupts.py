@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dbo
+from dbo import _worker
 from dbo import runner as runner_module
 from dbo.baton import Baton
 from dbo.runner import RunnerState, UBatchRunner
@@ -54,7 +55,7 @@ def test_an_interrupt_inside_submit_leaves_the_runner_usable(
 ) -> None:
     """An interrupt between handing a job to a worker and waking it: the job is revoked
     (it never runs), counted as finished, and the next run works."""
-    original = runner_module._Worker.submit
+    original = _worker.Worker.submit
     calls: list[int] = []
 
     def interrupted_second_submit(self: object, job: object) -> None:
@@ -67,10 +68,10 @@ def test_an_interrupt_inside_submit_leaves_the_runner_usable(
     ran: list[int] = []
     with dbo.UBatchRunner(num_ubatches=2) as runner:
         parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
-        monkeypatch.setattr(runner_module._Worker, "submit", interrupted_second_submit)
+        monkeypatch.setattr(_worker.Worker, "submit", interrupted_second_submit)
         with pytest.raises(KeyboardInterrupt):
             runner.run(lambda x: ran.append(dbo.current_ubatch_id()), parts)
-        monkeypatch.setattr(runner_module._Worker, "submit", original)
+        monkeypatch.setattr(_worker.Worker, "submit", original)
         assert runner.state is RunnerState.IDLE
         assert 1 not in ran, "the revoked job must never run"
         out = runner.run(lambda x: x + dbo.current_ubatch_id(), parts, timeout_s=5)
@@ -83,7 +84,7 @@ def test_runner_dropped_after_an_interrupted_submit_stops_its_workers(
 ) -> None:
     """A revoked job left in its worker keeps nothing of the run: the runner is collected
     and its threads end, and the interrupted call's inputs are freed."""
-    original_submit = runner_module._Worker.submit
+    original_submit = _worker.Worker.submit
     calls: list[int] = []
 
     def interrupted_second_submit(self: object, job: object) -> None:
@@ -98,10 +99,10 @@ def test_runner_dropped_after_an_interrupted_submit_stops_its_workers(
     big_input = torch.zeros(1)
     input_ref = weakref.ref(big_input)
     parts = [((big_input,), {}), ((big_input,), {})]
-    monkeypatch.setattr(runner_module._Worker, "submit", interrupted_second_submit)
+    monkeypatch.setattr(_worker.Worker, "submit", interrupted_second_submit)
     with pytest.raises(KeyboardInterrupt):
         runner.run(lambda x: x, parts)
-    monkeypatch.setattr(runner_module._Worker, "submit", original_submit)
+    monkeypatch.setattr(_worker.Worker, "submit", original_submit)
 
     runner_ref = weakref.ref(runner)
     del runner, parts, big_input
@@ -230,7 +231,7 @@ def test_a_second_interrupt_right_after_a_revoke_still_lets_the_runner_recover(
     """The watchdog fires while ubatch 1 has not started; a second interrupt lands
     between revoking its job and counting it as finished. Once ubatch 0 returns, the
     runner is usable again."""
-    original_revoke = runner_module._UBatchJob.revoke
+    original_revoke = _worker.UBatchJob.revoke
 
     def revoke_then_interrupted(job: Any) -> bool:
         if original_revoke(job):
@@ -245,7 +246,7 @@ def test_a_second_interrupt_right_after_a_revoke_still_lets_the_runner_recover(
     x = torch.ones(2)
     with dbo.UBatchRunner(2) as runner:
         with monkeypatch.context() as patch:
-            patch.setattr(runner_module._UBatchJob, "revoke", revoke_then_interrupted)
+            patch.setattr(_worker.UBatchJob, "revoke", revoke_then_interrupted)
             with pytest.raises(KeyboardInterrupt):
                 runner.run(fn, [((x,), {}), ((x,), {})], timeout_s=0.2)
         deadline = time.monotonic() + 20

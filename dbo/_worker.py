@@ -1,0 +1,143 @@
+"""The ubatch worker threads of a `UBatchRunner`, and the job each runs for one run."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from dbo import _affinity, _thread_settings, _wakeup
+from dbo._context import UBatchContext, registered
+from dbo._run import OverlapRun
+from dbo.errors import UBatchAbortedError, describe
+
+
+class Worker:
+    """One persistent thread that runs the jobs handed to it, one at a time, on the CPUs
+    it was started with. It parks on `wake` between jobs, and the baton parks its ubatch
+    on the same wake-up: a submitted job starts when the baton first reaches it."""
+
+    def __init__(self, name: str, cpus: frozenset[int] | None) -> None:
+        self._cpus = cpus
+        self.wake = _wakeup.new_wakeup()
+        self._job: UBatchJob | None = None
+        self._stopping = False
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the thread (the runner holds every worker first, to stop them all if a
+        start is interrupted)."""
+        self.thread.start()
+
+    def submit(self, job: UBatchJob) -> None:
+        """Hand `job` to the worker, to run at its next wake-up (its baton turn)."""
+        self._job = job
+
+    def stop(self) -> None:
+        """End the thread once its current job, if any, returns."""
+        self._stopping = True
+        self.wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self.wake.wait()  # a wake-up without a job (left over from an abort): park again
+            job, self._job = self._job, None
+            if job is not None:
+                try:
+                    job()
+                except BaseException:  # noqa: B036 - the worker must outlive it
+                    # The job hands every failure of `fn` to its caller; one escaping
+                    # here is the runtime's own, and a dead worker would hang later runs.
+                    print(f"dbo: unexpected error in worker {self.thread.name} "
+                          "(it keeps running):", file=sys.stderr)
+                    traceback.print_exc()
+                job = None  # a parked worker must not keep the last run's tensors alive
+                _affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
+            if self._stopping:
+                return
+
+
+class UBatchJob:
+    """What a worker thread does for ubatch `ubatch_id` of one run; runs at most once."""
+
+    __slots__ = (
+        "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim",
+        "revoked",
+    )
+
+    def __init__(
+        self,
+        run: OverlapRun,
+        ubatch_id: int,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        settings: _thread_settings.ThreadSettings,
+        results: list[Any],
+        errors: list[BaseException | None],
+    ) -> None:
+        self.run, self.ubatch_id, self.fn = run, ubatch_id, fn
+        self.args, self.kwargs, self.settings = args, kwargs, settings
+        self.results, self.errors = results, errors
+        self._claim = _thread.allocate_lock()
+        """Taken once: by the worker when the job starts, or by `revoke`."""
+        self.revoked = False
+        """Whether `revoke` stopped it: it never runs, so the caller counts it as finished."""
+
+    def revoke(self) -> bool:
+        """Stop the job from ever running; False if it has already started."""
+        if not self._claim.acquire(blocking=False):
+            return False
+        self.revoked = True
+        self._drop_references()  # it may sit in its worker until the next submit
+        return True
+
+    def _drop_references(self) -> None:
+        """Forget the run, `fn`, the inputs and the outputs: they belong to the caller."""
+        self.run = self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        self.results = self.errors = None  # type: ignore[assignment]
+
+    def __call__(self) -> None:
+        if not self._claim.acquire(blocking=False):
+            return  # revoked by an aborted run, which counted this ubatch as finished
+        run, ubatch_id = self.run, self.ubatch_id
+        try:
+            context = UBatchContext(ubatch_id, run.num_ubatches, run)
+            with registered(context), _thread_settings.applied(self.settings):
+                run.baton.wait_turn(ubatch_id)
+                previous_stream = run.backend.current_stream()
+                run.enter(ubatch_id)
+                try:
+                    self.results[ubatch_id] = self.fn(*self.args, **self.kwargs)
+                    run.finish_normally(ubatch_id)
+                finally:
+                    run.exit(ubatch_id, previous_stream)
+        except BaseException as error:  # noqa: B036 - every failure must reach the caller
+            self.errors[ubatch_id] = error
+            # An abort error is a consequence of another failure only in an aborted run;
+            # raised by `fn` in a live one (from another runner's run), it is this
+            # ubatch's own failure, and the others must unwind.
+            if not (isinstance(error, UBatchAbortedError) and run.baton.aborted):
+                # After a forced wake-up several ubatches may race here: any is fine.
+                if run.first_failure is None:
+                    run.first_failure = (ubatch_id, error)
+                run.baton.abort(f"ubatch {ubatch_id} raised {describe(error)}")
+        finally:
+            # Drop references before waking the caller: this frame is on the traceback
+            # of an error raised here, and the run holds that error (a cycle).
+            baton = run.baton
+            self._drop_references()
+            run = context = None  # type: ignore[assignment]
+            baton.finish(ubatch_id)
+
+
+def stop_workers(workers: list[Worker], pid: int) -> None:
+    """Stop `workers`, unless this is a process forked since they started (they are
+    the parent's)."""
+    if os.getpid() == pid:
+        for worker in workers:
+            worker.stop()
