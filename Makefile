@@ -22,14 +22,20 @@ STAMP := $(VENV)/.dbo-installed
 
 .PHONY: demo demo-workspace test lint typecheck pytest bench clean
 
+# Each install step prints one line; pip's own output is shown only when a step fails.
+QUIET_PIP = $(BIN)/python -m pip install --disable-pip-version-check -q
+
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV_ARGS) $(VENV)
+	@test -x $(BIN)/python || { echo "creating $(VENV)"; $(PYTHON) -m venv $(VENV_ARGS) $(VENV); }
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "using the torch already in $(VENV): $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
 	else \
-		$(BIN)/python -m pip install $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"; \
+		echo "installing $(TORCH_SPEC)"; \
+		$(QUIET_PIP) $(TORCH_PIP_ARGS) "$(TORCH_SPEC)" > $(VENV)/pip.log 2>&1 \
+			|| { cat $(VENV)/pip.log; exit 1; }; \
 	fi
-	$(BIN)/python -m pip install -e ".[test]"
+	@echo "installing dbo with its test extras (pytest, ruff, mypy, hypothesis, matplotlib, transformers)"
+	@$(QUIET_PIP) -e ".[test]" > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
 demo: $(STAMP)
