@@ -39,15 +39,13 @@ class UBatchContext:
 class _ThreadState(threading.local):
     context: UBatchContext | None = None
     registration: int = 0
-    """The number of this thread's current registration (unique in the process); 0
-    while it is not registered."""
+    """This thread's registration number (unique in the process); 0: not registered."""
 
 
 _state = _ThreadState()
 _threads: dict[int, int] = {}
-"""Registration numbers by `threading.get_ident()`, for questions about *another*
-thread (the workspace asks whether a slot's last user still runs the registration it
-asked from). Single dict operations: atomic under the GIL, no lock needed."""
+"""Registration numbers by `threading.get_ident()`, for the workspace's questions about
+another thread. Single dict operations, atomic under the GIL: no lock."""
 _registration_numbers = itertools.count(1)
 
 
@@ -78,12 +76,8 @@ def num_registered_threads() -> int:
 
 class registered:  # noqa: N801 - used like the function-style context managers
     """`with registered(context):` registers the calling thread as `context.ubatch_id`
-    for the body's duration (the `with` value is the context).
-
-    Raises RuntimeError if the thread is already registered: a thread runs one ubatch
-    at a time. The registration is removed on exit, even when the body raises. A class,
-    not a generator: it runs in every ubatch thread of every overlap call.
-    """
+    for the body's duration, even when it raises. RuntimeError if the thread is already
+    registered. A class, not a generator: it runs in every ubatch of every call."""
 
     __slots__ = ("_context",)
 

@@ -31,47 +31,47 @@ class _AutocastQuery(NamedTuple):
     device_types: tuple[str, ...]
     """The device types whose autocast is replayed (those this torch knows)."""
     any_enabled: Callable[[], bool] | None
-    """`torch._C._is_any_autocast_enabled`, if this torch has it."""
+    """`torch._C._is_any_autocast_enabled`, and the device types it misses (asked one
+    by one); None: ask every type."""
     missed: tuple[str, ...]
-    """The device types `any_enabled` does not report (asked one by one)."""
 
 
 _autocast_query: _AutocastQuery | None = None
 
 
-def _autocast() -> _AutocastQuery:
-    """Which autocasts to look at, and how; probed on first use, in the calling thread.
+def _known(device_type: str) -> bool:
+    try:
+        torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return True
 
-    The probe turns each type's autocast on and off again to see whether torch's
-    any-autocast query reports it. It cannot learn that while an autocast is already on:
-    then every type is asked, and the probe runs again on the next call."""
+
+def _autocast() -> _AutocastQuery:
+    """Which autocasts to look at, and how; probed on first use, in the calling thread,
+    by turning each type's autocast on and off again. The probe cannot learn anything
+    while an autocast is on: then every type is asked, and it runs again next time."""
     global _autocast_query
     if _autocast_query is not None:
         return _autocast_query
     wanted = ("cpu", "cuda", "xpu", "mps", "hpu", torch._C._get_privateuse1_backend_name())
-    known = []
-    for device_type in dict.fromkeys(wanted):
-        try:
-            torch.is_autocast_enabled(device_type)
-        except (RuntimeError, ValueError, TypeError):  # a type this torch does not know
-            continue
-        known.append(device_type)
-    types = tuple(known)
+    types = tuple(kind for kind in dict.fromkeys(wanted) if _known(kind))
     any_enabled = getattr(torch._C, "_is_any_autocast_enabled", None)
-    if any_enabled is not None and any_enabled():
-        return _AutocastQuery(types, None, types)
-    _autocast_query = _AutocastQuery(types, None, types)
-    if any_enabled is not None:
-        missed = []
-        for device_type in types:
-            before = torch.is_autocast_enabled(device_type)  # on, if the query misses it
-            torch.set_autocast_enabled(device_type, True)
-            try:
-                if not any_enabled():
-                    missed.append(device_type)
-            finally:
-                torch.set_autocast_enabled(device_type, before)
-        _autocast_query = _AutocastQuery(types, any_enabled, tuple(missed))
+    if any_enabled is None or any_enabled():
+        query = _AutocastQuery(types, None, types)
+        if any_enabled is None:
+            _autocast_query = query
+        return query
+    missed = []
+    for device_type in types:
+        before = torch.is_autocast_enabled(device_type)  # on, if the query misses it
+        torch.set_autocast_enabled(device_type, True)
+        try:
+            if not any_enabled():
+                missed.append(device_type)
+        finally:
+            torch.set_autocast_enabled(device_type, before)
+    _autocast_query = _AutocastQuery(types, any_enabled, tuple(missed))
     return _autocast_query
 
 
@@ -131,7 +131,6 @@ def capture() -> ThreadSettings:
         saved_tensors_hooks=_top_saved_tensors_hooks(True),
         saved_tensors_hooks_disabled=_saved_tensors_hooks_disabled(),
     )
-
 
 
 _autograd = torch._C._autograd
@@ -238,8 +237,7 @@ class applied:  # noqa: N801 - used like the function-style context managers
                 self._stack.close()
                 self._stack = None
         finally:
-            # `fn` (or a library it calls) may have changed the count: forget what this
-            # thread applied so that the next run sets the caller's count again.
+            # `fn` may have changed the count: the next run sets the caller's again.
             if torch.get_num_threads() != _applied.num_threads:
                 _applied.num_threads = None
             _clear_leftovers()
@@ -265,9 +263,8 @@ def _clear_leftovers() -> None:
             _pop_saved_tensors_hooks()
     if _enable_saved_tensors_hooks is not None and _saved_tensors_hooks_disabled() is not None:
         _enable_saved_tensors_hooks()
-    # Modes `fn` entered and never exited (the caller's are never replayed: a call under
-    # one runs inline). A default device `fn` set goes through torch's own call, which
-    # also forgets it; anything left is popped without its __exit__.
+    # Modes `fn` entered and never exited: a default device through torch's own call,
+    # anything else popped without its __exit__.
     if _function_mode_depth is not None and _function_mode_depth() > 0:
         if getattr(_device_context_holder, "device_context", None) is not None:
             torch.set_default_device(None)

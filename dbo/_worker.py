@@ -49,9 +49,7 @@ class Worker:
             if job is not None:
                 try:
                     job()
-                except BaseException:  # noqa: B036 - the worker must outlive it
-                    # The job hands every failure of `fn` to its caller; one escaping
-                    # here is the runtime's own, and a dead worker would hang later runs.
+                except BaseException:  # noqa: B036 - a bug of the runtime: outlive it
                     print(f"dbo: unexpected error in worker {self.thread.name} "
                           "(it keeps running):", file=sys.stderr)
                     traceback.print_exc()
@@ -118,11 +116,10 @@ class UBatchJob:
                     run.exit(ubatch_id, previous_stream)
         except BaseException as error:  # noqa: B036 - every failure must reach the caller
             self.errors[ubatch_id] = error
-            # An abort error is a consequence of another failure only in an aborted run;
-            # raised by `fn` in a live one (from another runner's run), it is this
-            # ubatch's own failure, and the others must unwind.
+            # An abort error raised by `fn` in a live run (from another runner's run) is
+            # this ubatch's own failure. After a forced wake-up several ubatches may race
+            # to be the first failure: any is fine.
             if not (isinstance(error, UBatchAbortedError) and run.baton.aborted):
-                # After a forced wake-up several ubatches may race here: any is fine.
                 if run.first_failure is None:
                     run.first_failure = (ubatch_id, error)
                 run.baton.abort(f"ubatch {ubatch_id} raised {describe(error)}")

@@ -21,6 +21,12 @@ def _run_and_id() -> tuple[OverlapRun | None, int]:
     return (None, 0) if context is None else (context.run, context.ubatch_id)
 
 
+def _switch(to_comm: bool, yield_first: bool) -> None:
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.switch_stream(ubatch_id, to_comm=to_comm, yield_first=yield_first)
+
+
 def current_ubatch_id() -> int:
     """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap.
 
@@ -69,38 +75,27 @@ def yield_() -> None:
 
 
 def switch_to_comm() -> None:
-    """Make this ubatch's comm stream current, ordered after its compute stream's work.
-
-    An event recorded on the compute stream is waited on by the comm stream, so the comm
-    stream sees everything this ubatch computed so far (CUDA). No yield. Raises
-    RuntimeError if the ubatch is already on its comm stream. Outside an overlap: no-op.
-    """
-    run, ubatch_id = _run_and_id()
-    if run is not None:
-        run.switch_stream(ubatch_id, to_comm=True, yield_first=False)
+    """Make this ubatch's comm stream current, ordered after its compute stream's work
+    by an event (CUDA). No yield. RuntimeError if the ubatch is already on its comm
+    stream. Outside an overlap: no-op."""
+    _switch(to_comm=True, yield_first=False)
 
 
 def switch_to_compute() -> None:
     """Make this ubatch's compute stream current, ordered after its comm stream's work.
-
-    Raises RuntimeError if the ubatch is already on its compute stream.
-    Outside an overlap: no-op.
-    """
-    run, ubatch_id = _run_and_id()
-    if run is not None:
-        run.switch_stream(ubatch_id, to_comm=False, yield_first=False)
+    RuntimeError if the ubatch is already on its compute stream. Outside an overlap:
+    no-op."""
+    _switch(to_comm=False, yield_first=False)
 
 
 def yield_and_switch_to_comm() -> None:
     """Record an event on the compute stream, yield, then switch to the comm stream.
 
-    The usual step before a collective: the other ubatch computes while this one waits
-    for the baton, and the event (recorded before the yield) covers only this ubatch's
-    compute. Outside an overlap: no-op.
+    The usual step before a collective: the other ubatch computes meanwhile, and the
+    event (recorded before the yield) covers only this ubatch's compute. Outside an
+    overlap: no-op.
     """
-    run, ubatch_id = _run_and_id()
-    if run is not None:
-        run.switch_stream(ubatch_id, to_comm=True, yield_first=True)
+    _switch(to_comm=True, yield_first=True)
 
 
 def yield_and_switch_to_compute() -> None:
@@ -109,16 +104,12 @@ def yield_and_switch_to_compute() -> None:
     The usual step after launching a collective: the other ubatch runs while this one's
     communication is in flight. Outside an overlap: no-op.
     """
-    run, ubatch_id = _run_and_id()
-    if run is not None:
-        run.switch_stream(ubatch_id, to_comm=False, yield_first=True)
+    _switch(to_comm=False, yield_first=True)
 
 
 def current_stream() -> Any:
-    """This ubatch's current stream (a `torch.cuda.Stream`, or a `CpuStream` on CPU).
-
-    Outside an overlap: None (use the device's current stream).
-    """
+    """This ubatch's current stream (a `torch.cuda.Stream`, or a `CpuStream` on CPU);
+    None outside an overlap (use the device's current stream)."""
     context = _state.context  # read directly: every collective asks
     if context is None or context.run is None:
         return None
@@ -133,15 +124,12 @@ def on_comm_stream() -> bool:
 
 def at_ubatch_exit(callback: Callable[[], Any]) -> bool:
     """Run `callback` in this ubatch's thread when its function returns normally, before
-    the overlap orders the caller's stream after this ubatch's streams; True if
-    registered.
+    the caller's stream joins this ubatch's streams; True if registered.
 
-    For library code that leaves work in flight for the caller to finish (an async
-    collective's handle): finishing it here makes the end of the overlap cover it even
-    if the caller never does. Callbacks run in registration order; an exception in one
-    fails the overlap like one in the function. Not run when the ubatch raised or was
-    aborted. Outside an overlap there is no ubatch to end: nothing is registered and
-    False is returned.
+    For library code that leaves work in flight (an async collective's handle): the end
+    of the overlap then covers it even if the caller never finishes it. Callbacks run in
+    registration order; an exception in one fails the overlap. Not run when the ubatch
+    raised or was aborted. Outside an overlap: nothing is registered, returns False.
     """
     if not callable(callback):
         raise TypeError(f"callback must be callable, got {callback!r}")
@@ -155,17 +143,12 @@ def at_ubatch_exit(callback: Callable[[], Any]) -> bool:
 def register_recv_hook(hook: Callable[[], Any]) -> None:
     """Hand `hook` to the next ubatch in the ring, to run at its `maybe_run_recv_hook()`.
 
-    This is the pattern of low-latency all-to-all kernels that split send and receive:
-    ubatch i sends, registers the receive, yields; ubatch i+1 runs the receive when it
-    next calls `maybe_run_recv_hook()`. A hook still pending when its target ubatch
-    finishes runs before the overlap returns; an exception in a hook fails the overlap.
-
-    The hook runs in the next ubatch's thread, so its kernels go to that thread's
-    current stream; afterwards both of this ubatch's streams wait for them (CUDA), so
-    this ubatch reads what the hook received in order.
-
-    Outside an overlap there is no other ubatch, so the hook runs at once (dropping it
-    would silently lose the receive).
+    The pattern of low-latency all-to-all kernels that split send and receive: ubatch i
+    sends, registers the receive, yields; ubatch i+1 runs it at its next
+    `maybe_run_recv_hook()`. A hook still pending when its target finishes runs before
+    the overlap returns; an exception in a hook fails the overlap. Its kernels go to the
+    running thread's current stream, and both of this ubatch's streams wait for them.
+    Outside an overlap the hook runs at once (dropping it would lose the receive).
     """
     if not callable(hook):
         raise TypeError(f"hook must be callable, got {hook!r}")
@@ -177,9 +160,7 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
 
 
 def maybe_run_recv_hook() -> bool:
-    """Run the hooks the previous ubatch registered for this one; True if any ran.
-
-    Each hook runs once. Outside an overlap: no-op, returns False.
-    """
+    """Run (once each) the hooks the previous ubatch registered for this one; True if
+    any ran. Outside an overlap: False."""
     run, ubatch_id = _run_and_id()
     return False if run is None else run.maybe_run_recv_hook(ubatch_id)

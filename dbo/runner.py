@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import functools
 import math
 import os
 import sys
@@ -36,33 +37,22 @@ EXIT_WAIT_S = 30.0
 daemon thread inside a torch op at finalization would end the process in SIGABRT."""
 
 _left_running: list[Baton] = []
-"""Batons of aborted runs whose ubatches had not all ended (waited for at exit)."""
-_left_running_lock = threading.Lock()
-_exit_wait_registered = False
+"""Batons of aborted runs whose ubatches had not all ended; waited for at exit."""
 
 
-def _remember_left_running(baton: Baton) -> None:
-    global _exit_wait_registered
-    with _left_running_lock:
-        _left_running[:] = [kept for kept in _left_running if not kept.wait_done(0)]
-        _left_running.append(baton)
-        if not _exit_wait_registered:
-            atexit.register(_wait_for_left_running)
-            _exit_wait_registered = True
+@functools.cache
+def _wait_for_left_running_at_exit() -> None:
+    atexit.register(_wait_for_left_running)
 
 
 def _wait_for_left_running() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
-    with _left_running_lock:
-        batons = list(_left_running)
-    for baton in batons:
+    for baton in list(_left_running):
         baton.wait_done(max(0.0, deadline - time.monotonic()))
 
 
 def reset_after_fork() -> None:
     """In a forked child: the parent's ubatch threads are not there to wait for."""
-    global _left_running_lock
-    _left_running_lock = threading.Lock()
     _left_running.clear()
 
 
@@ -397,7 +387,8 @@ class UBatchRunner:
             run.drop_leftovers()
             self._join_streams(run)
             return
-        _remember_left_running(run.baton)
+        _left_running.append(run.baton)
+        _wait_for_left_running_at_exit()
         # Best effort: the caller's stream waits for what the ubatches enqueued so far,
         # so that it does not reuse the inputs under their kernels.
         for ubatch_streams in run.streams:

@@ -65,14 +65,13 @@ class Span(NamedTuple):
 
 @dataclass(frozen=True)
 class UBatchTotals:
-    """What one ubatch (or the caller, `CALLER`) did over a trace."""
+    """What one ubatch (or the caller, `CALLER`) did over a trace: how many times it got
+    the baton, how long it held it, how long its thread was blocked in collective waits,
+    and how many waits."""
 
     turns: int
-    """How many times it got the baton."""
     baton_s: float
-    """Total time it held the baton."""
     blocked_s: float
-    """Total time its thread was blocked in collective waits."""
     waits: int
 
 
@@ -93,14 +92,13 @@ class Trace:
         self._lock = threading.Lock()
 
     def add(self, name: str, ubatch_id: int, start_s: float, end_s: float) -> None:
-        """Record a span of the calling thread (clipped to the trace's start: a turn
-        that began before the trace did counts from the trace's start; one that ended
-        before it, while the trace was being started, has length 0)."""
+        """Record a span of the calling thread, clipped to the trace's start; ignored once
+        the `dbo.trace()` block has exited."""
         start_s = max(start_s, self.start_s)
         span = Span(name, ubatch_id, start_s, max(end_s, start_s), threading.get_ident())
         with self._lock:  # several overlaps may run at once, from several callers
             if self.end_s is not None:
-                return  # the block has exited: a call that outlived it is not recorded
+                return
             if len(self.spans) < self.max_spans:
                 self.spans.append(span)
             else:
@@ -115,25 +113,17 @@ class Trace:
 
     def totals(self) -> dict[int, UBatchTotals]:
         """Per ubatch id (and `CALLER` if it has waits): turns, baton and blocked time,
-        summed over every overlap in the trace: over the kept spans, so when `dropped`
-        is not 0 these are partial (`summary()` says so on its first line)."""
-        turns: dict[int, int] = {}
-        baton: dict[int, float] = {}
-        blocked: dict[int, float] = {}
-        waits: dict[int, int] = {}
+        summed over every overlap in the trace (over the kept spans: see `dropped`)."""
+        sums: dict[int, list[float]] = {}  # turns, baton_s, waits, blocked_s
         for span in self._snapshot():
-            key = span.ubatch_id
-            if span.name == "baton":
-                turns[key] = turns.get(key, 0) + 1
-                baton[key] = baton.get(key, 0.0) + span.duration_s
-            elif span.name.startswith("wait "):
-                waits[key] = waits.get(key, 0) + 1
-                blocked[key] = blocked.get(key, 0.0) + span.duration_s
+            if span.name == "baton" or span.name.startswith("wait "):
+                row = sums.setdefault(span.ubatch_id, [0, 0.0, 0, 0.0])
+                column = 0 if span.name == "baton" else 2
+                row[column] += 1
+                row[column + 1] += span.duration_s
         return {
-            key: UBatchTotals(
-                turns.get(key, 0), baton.get(key, 0.0), blocked.get(key, 0.0), waits.get(key, 0)
-            )
-            for key in sorted(set(turns) | set(waits))
+            key: UBatchTotals(int(row[0]), row[1], row[3], int(row[2]))
+            for key, row in sorted(sums.items())
         }
 
     def summary(self) -> str:
@@ -152,9 +142,7 @@ class Trace:
                 f"{label:<10}{total.turns:>7}{total.baton_s * 1e3:>10.2f}"
                 f"{total.blocked_s * 1e3:>12.2f}{total.waits:>7}"
             )
-        if self.dropped:
-            # First: the lines above count the kept spans only, and a call's own span is
-            # recorded after its turns, so they can disagree (turns without their call).
+        if self.dropped:  # first: the counts below cover the kept spans only
             lines.insert(
                 0,
                 f"TRUNCATED: {self.dropped} spans dropped past max_spans={self.max_spans}; "
@@ -170,8 +158,7 @@ class Trace:
             {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
              "args": {"name": process_name or f"dbo (pid {pid})"}},
         ]
-        # One track per (thread, role): the same worker thread serves one ubatch id; a
-        # caller thread is "caller". Tracks are numbered by role, then first appearance.
+        # One track per (role, thread), numbered by role, then by first appearance.
         spans = self._snapshot()
         tracks: dict[tuple[int, int], int] = {}
         for span in sorted(spans, key=lambda span: (span.ubatch_id, span.start_s)):
