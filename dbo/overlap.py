@@ -52,16 +52,10 @@ _PoolKey = tuple[int, "torch.device | None", "frozenset[int] | None"]
 
 
 class _RunnerPool:
-    """The runners `dbo.overlap` uses, per (num_ubatches, device, caller's CPUs); closed
-    at exit. Keyed by the caller's CPU affinity because workers keep the CPUs they were
-    created with (`dbo._affinity`): a caller pinned to a core gets ubatch threads
-    created on it, and an unpinned caller never gets those.
-
-    Each call leases a runner of its own for the duration of the run: concurrent callers
-    (several threads, or a helper thread started inside a ubatch that calls another
-    overlapped function) never queue behind each other's runs, and a runner that is not
-    idle after its run (broken by the watchdog) is closed instead of going back.
-    """
+    """The runners `dbo.overlap` uses, per (num_ubatches, device, caller's CPUs: workers
+    keep the CPUs they were created with); closed at exit. Each call leases a runner of
+    its own, so concurrent callers (a helper thread inside a ubatch among them) never
+    wait for each other's runs; a runner not idle after its run (broken) is closed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -98,13 +92,10 @@ class _RunnerPool:
                 ):
                     self._idle.append((key, runner))
                     to_close = []
-                    if len(self._idle) > _MAX_IDLE_RUNNERS_IN_ALL:
-                        # Keep the runner just used; let the least recently used go
-                        # (e.g. that of a pinned caller thread that has ended).
+                    if len(self._idle) > _MAX_IDLE_RUNNERS_IN_ALL:  # the least recently used
                         to_close = [self._idle.pop(0)[1]]
             for closing in to_close:
-                # A broken runner's workers end once their stuck ubatch returns.
-                closing.close(timeout_s=0)
+                closing.close(timeout_s=0)  # a broken one's workers end with their ubatch
 
     def reset_after_fork(self) -> None:
         """In a forked child: drop the pooled runners (their threads are the parent's)."""
