@@ -9,8 +9,8 @@ their batons) park on, run the same calls in interleaved rounds:
     workers, pass the baton twice, signal the caller);
   - `100 handoffs`: each of the 2 ubatches calls `dbo.yield_()` 50 times;
   - `+ k matmuls`: the same with k 64x64 matmuls per turn (torch drops the GIL around
-    each op, where an eventfd setter still waiting for the GIL takes it to park: does
-    that delay the ubatch that woke? On both cores it did not measurably).
+    each op, where an eventfd setter still waiting for the GIL takes it to park: these
+    rows show whether that delays the ubatch that woke).
 Printed: microseconds per call for each kind, the median of the per-round ratios
 eventfd / lock (paired: the host's drift cancels), and the context switches per call
 (`getrusage`: voluntary + involuntary, whole process).
