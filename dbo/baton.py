@@ -43,20 +43,17 @@ class Baton:
             raise ValueError(f"need {num_ubatches} wake-ups, got {len(self._wake)}")
         self._live = [True] * num_ubatches
         self._num_live = num_ubatches
-        self._done = _thread.allocate_lock()
+        self._done = _thread.allocate_lock()  # held until every ubatch has finished
         self._done.acquire()
-        self._finished = False
-        """Every ubatch has finished (set before `_done` is released)."""
+        self._finished = False  # set before `_done` is released
         self.aborted = False
         self.abort_reason = ""
         self._forced = False
-        """An abort that unwinds every ubatch at once (watchdog, interrupt, close), not
-        one at a time in ring order."""
+        """An abort that unwinds every ubatch at once, not one at a time in ring order."""
         self.holder: int | None = None
         """The ubatch holding the baton (None before start and after the last finish)."""
         self.holder_since = time.perf_counter()
-        """When `holder` got the baton, or last yielded alone (perf_counter seconds): the
-        watchdog's clock."""
+        """When `holder` got the baton or last yielded alone: the watchdog's clock."""
         self.num_turns = 0
         """Turns started, yields of a ubatch left alone included (the watchdog's sign
         that the holder moved on even if `holder` reads the same)."""

@@ -7,26 +7,20 @@ its thread sat blocked waiting for a collective.
     print(timeline.summary())             # per ubatch: turns, baton time, blocked time
     timeline.save("dbo_trace.json")       # open in https://ui.perfetto.dev or chrome://tracing
 
-What is recorded (host clocks, `time.perf_counter`):
+Recorded on host clocks (`time.perf_counter`):
   - "baton": a span per turn, from the moment a ubatch's thread woke holding the baton
-    to the moment it handed it on (or finished): the time its thread ran Python and
-    launched work. The wake-up after a handoff is the gap between two turns;
+    to the moment it handed it on or finished (a wake-up is a gap between turns);
   - "wait <collective>": the part of a turn a `comm` collective's `wait()` blocked the
-    host (gloo blocks; NCCL's wait only orders streams), i.e. communication the
-    overlap did not hide; outside an overlap too (track "caller");
-  - "dbo.overlap": each overlapped call on the caller's thread, split and merge
-    included ("dbo.overlap inline" for a call that ran `fn` on the whole batch because
-    of its size or the decision; nested calls, and calls under a mode or a `torch.func`
-    transform without a decision group, are not recorded).
+    host (gloo blocks; NCCL's wait only orders streams): communication the overlap did
+    not hide; outside an overlap too (track "caller");
+  - "dbo.overlap": each overlapped call on the caller's thread, split and merge included
+    ("dbo.overlap inline" for a call that ran `fn` on the whole batch; nested calls and
+    calls under a mode or a `torch.func` transform are not recorded).
 
-A turn minus its waits is host work: when the turns leave few gaps and the waits are
-short, the host is the bottleneck. GPU kernels are not on this timeline; use
-`torch.profiler` for those.
-
-While no trace is active, recording costs one module attribute read per handoff and
-per collective. One trace at a time per process; each process (rank) records its own.
-Overlaps run at once from several caller threads each get their own tracks;
-`totals()` and `summary()` add them up per ubatch id.
+A turn minus its waits is host work; GPU kernels are not on this timeline (use
+`torch.profiler`). While no trace is active, recording costs one attribute read per
+handoff and per collective. One trace at a time per process (each rank records its
+own); concurrent overlaps get tracks of their own, and `totals()` adds them up.
 """
 
 from __future__ import annotations
