@@ -15,7 +15,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 import dbo
-from dbo import _thread_settings
 
 TIMEOUT_S = 30.0
 
@@ -329,90 +328,6 @@ def test_an_exception_raised_again_gets_its_ubatch_note_once() -> None:
             _overlap(fn)(torch.zeros(4))
     notes = [note for note in error.__notes__ if "raised in ubatch" in note]
     assert notes == ["raised in ubatch 0 of 2 (dbo overlap)"]
-
-
-@pytest.mark.parametrize("device_type", _thread_settings._AUTOCAST_DEVICE_TYPES)
-def test_autocast_of_every_device_type_is_captured(device_type: str) -> None:
-    """The capture asks torch's any-autocast query first and only the types it misses
-    (mps) one by one: each type's flag must still be seen."""
-    before = torch.is_autocast_enabled(device_type)
-    torch.set_autocast_enabled(device_type, True)
-    try:
-        captured = _thread_settings.capture().autocast
-    finally:
-        torch.set_autocast_enabled(device_type, before)
-    assert [kind for kind, _ in captured] == [device_type]
-    assert _thread_settings.capture().autocast == ()
-
-
-@pytest.mark.parametrize("device_type", ["hpu", "xpu", "mps"])
-def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
-    # Setting the flag needs no such device; it is what a model on that device sees.
-    # (cuda and privateuseone are replayed through `torch.autocast`, which refuses a
-    # device this machine does not have.)
-    before = torch.is_autocast_enabled(device_type)
-    torch.set_autocast_enabled(device_type, True)
-    try:
-        seen: list[bool] = []
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            seen.append(torch.is_autocast_enabled(device_type))
-            return x
-
-        _overlap(fn)(torch.zeros(4))
-    finally:
-        torch.set_autocast_enabled(device_type, before)
-    assert seen == [True, True]
-
-
-def _raising_query() -> bool:
-    raise TypeError("a torch whose query takes other arguments")
-
-
-def _failing_start(self: threading.Thread) -> None:
-    raise RuntimeError("can't start new thread")
-
-
-@pytest.mark.parametrize(
-    "case", ["no query", "query raises", "no thread", "autocast already on"]
-)
-def test_an_any_autocast_query_that_cannot_be_trusted_is_not_used(
-    monkeypatch: pytest.MonkeyPatch, case: str
-) -> None:
-    """Then every type is asked on every call (and importing dbo never fails for it)."""
-    every = _thread_settings._AUTOCAST_DEVICE_TYPES
-    query: Any = torch._C._is_any_autocast_enabled
-    if case == "no query":
-        query = None
-    elif case == "query raises":
-        query = _raising_query
-    elif case == "no thread":
-        monkeypatch.setattr(threading.Thread, "start", _failing_start)
-    else:  # as in a green thread that shares the importer's OS thread and flags
-        query = lambda: True  # noqa: E731
-    assert _thread_settings._probe_any_autocast_query(query) == (None, every)
-
-
-def test_without_the_any_query_every_autocast_type_is_asked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_thread_settings, "_is_any_autocast_enabled", None)
-    monkeypatch.setattr(
-        _thread_settings, "_AUTOCAST_MISSED_BY_ANY", _thread_settings._AUTOCAST_DEVICE_TYPES
-    )
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _thread_settings.capture().autocast == (("cpu", torch.bfloat16),)
-    assert _thread_settings.capture().autocast == ()
-
-
-def test_the_probe_leaves_the_importing_threads_autocast_alone() -> None:
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        query, missed = _thread_settings._probe_any_autocast_query(
-            torch._C._is_any_autocast_enabled
-        )
-        assert torch.is_autocast_enabled("cpu")
-    assert query is torch._C._is_any_autocast_enabled
-    assert missed == _thread_settings._AUTOCAST_MISSED_BY_ANY
 
 
 @pytest.mark.skipif(
