@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dbo-installed
 
-.PHONY: demo demo-workspace test lint typecheck pytest bench clean
+.PHONY: demo demo-hf demo-workspace test lint typecheck pytest bench clean
 
 # Each install step prints one line; pip's own output is shown only when a step fails.
 QUIET_PIP = $(BIN)/python -m pip install --disable-pip-version-check -q
@@ -41,6 +41,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/moe_overlap.py --spawn 2
 
+demo-hf: $(STAMP)
+	$(BIN)/python examples/hf_moe.py --spawn 2
+
 demo-workspace: $(STAMP)
 	$(BIN)/python examples/workspace_demo.py
 
@@ -56,12 +59,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/workspace_alloc.py
-	$(BIN)/python benchmarks/handoff.py
-	$(BIN)/python benchmarks/wakeup_kinds.py
-	$(BIN)/python benchmarks/host_overhead.py
-	$(BIN)/python benchmarks/overlap_efficiency.py
-	$(BIN)/python benchmarks/comm_overlap.py
+	$(BIN)/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
