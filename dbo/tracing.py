@@ -180,6 +180,45 @@ class Trace:
         with open(path, "w", encoding="utf-8") as file:
             json.dump(self.to_chrome_trace(process_name), file)
 
+    def plot(self, path: str | os.PathLike[str], title: str | None = None) -> None:
+        """Draw the timeline to an image file (PNG by its suffix): one lane per ubatch and
+        one for the caller, baton turns and collective waits in their own colours, time in
+        ms from the trace's start. Needs matplotlib (`pip install dbo[plot]`); draws
+        off-screen (Agg), from any thread."""
+        try:
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
+        except ImportError as error:
+            raise ImportError(
+                "Trace.plot needs matplotlib: pip install 'dbo[plot]' (or pip install "
+                "matplotlib)"
+            ) from error
+        spans = self._snapshot()
+        lanes = sorted({span.ubatch_id for span in spans} | {CALLER}, reverse=True)
+        row = {ubatch_id: index for index, ubatch_id in enumerate(lanes)}
+        colours = {"call": "#c7c7c7", "baton": "#1f77b4", "wait": "#d62728"}
+        figure = Figure(figsize=(12, 0.6 * len(lanes) + 1.2), layout="constrained")
+        axes = figure.add_subplot()
+        for kind, height in (("call", 0.8), ("baton", 0.6), ("wait", 0.35)):  # waits on top
+            for span in spans:
+                if span.name.split(" ")[0].replace("dbo.overlap", "call") != kind:
+                    continue
+                axes.broken_barh(
+                    [((span.start_s - self.start_s) * 1e3, span.duration_s * 1e3)],
+                    (row[span.ubatch_id] - height / 2, height), color=colours[kind],
+                )
+        axes.set_yticks(range(len(lanes)), [
+            "caller" if ubatch_id == CALLER else f"ubatch {ubatch_id}" for ubatch_id in lanes
+        ])
+        axes.set_xlabel("ms since the trace started (host clock)")
+        axes.set_title(title or "dbo.trace() timeline")
+        axes.legend(handles=[
+            Patch(color=colours["call"], label="dbo.overlap call"),
+            Patch(color=colours["baton"], label="baton turn (host work)"),
+            Patch(color=colours["wait"], label="blocked in a collective wait"),
+        ], loc="upper right", fontsize="small")
+        figure.savefig(path, dpi=110)
+
 
 _active: Trace | None = None
 """The trace being recorded, read by the baton and `comm` at every handoff and wait."""

@@ -22,19 +22,13 @@ from a `dbo.trace()` of a few steps, how long the host sat blocked in collective
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import sys
-import time
-from typing import Any
 
+import _harness
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import comm  # noqa: E402
-import dbo  # noqa: E402
+import comm
+import dbo
 
 
 class MoELayer(torch.nn.Module):
@@ -96,27 +90,9 @@ class MoEModel(torch.nn.Module):
         return x
 
 
-def _step_ms(fn: Any, device: torch.device) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
-
-
-_TRACED_STEPS = 3
-
-
-def _blocked_ms_per_step(timeline: dbo.Trace) -> float:
-    blocked_s = sum(total.blocked_s for total in timeline.totals().values())
-    return blocked_s * 1e3 / _TRACED_STEPS
-
-
-def run(args: argparse.Namespace, backend: str | None = None) -> None:
-    """One rank's work (under torchrun: NCCL on each rank's GPU when there is one, else
-    gloo; or in a process that `--spawn` started: gloo on CPU)."""
-    rank, world_size, device = comm.init_distributed(backend=backend, timeout_s=120)
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank's work: build the model, then compare the three modes (`_harness.compare`)."""
+    rank, world_size, device = comm.init_distributed()  # launched by `_harness.launch`
     torch.manual_seed(1234 + rank)
     model = MoEModel(args.layers, args.hidden, args.ffn, args.experts_per_rank, args.topk)
     model = model.to(device)
@@ -127,125 +103,31 @@ def run(args: argparse.Namespace, backend: str | None = None) -> None:
         """The two ubatches one after the other: the same work as DBO, no overlap."""
         return torch.cat([model(part) for part in x.tensor_split(2)])
 
-    with torch.inference_mode():
-        serial_out = model(x)
-        dbo_out = overlapped(x)
-        bitwise = torch.equal(dbo_out, split_serial())
-        close = torch.allclose(dbo_out, serial_out, rtol=1e-4, atol=1e-4)
-        times: dict[str, list[float]] = {"whole": [], "split": [], "dbo": []}
-        for _ in range(args.steps):  # interleaved, so all see the same conditions
-            times["whole"].append(_step_ms(lambda: model(x), device))
-            times["split"].append(_step_ms(split_serial, device))
-            times["dbo"].append(_step_ms(lambda: overlapped(x), device))
-        # Where the host sat blocked in collective waits: communication not hidden.
-        blocked = {}
-        for name, step in (("split", split_serial), ("dbo", lambda: overlapped(x))):
-            with dbo.trace() as timeline:
-                for _ in range(_TRACED_STEPS):
-                    _step_ms(step, device)
-            blocked[name] = _blocked_ms_per_step(timeline)
-            if args.trace_dir and name == "dbo":
-                os.makedirs(args.trace_dir, exist_ok=True)
-                timeline.save(
-                    os.path.join(args.trace_dir, f"dbo_rank{rank}.json"), f"rank {rank}"
-                )
-
-    summary = torch.tensor(
-        [statistics.median(times[name]) for name in ("whole", "split", "dbo")]
-        + [float(bitwise), float(close), blocked["split"], blocked["dbo"]],
-        dtype=torch.float64,
-        device=device,
+    _harness.compare(
+        "MoE forward", whole=lambda: model(x), split=split_serial,
+        overlapped=lambda: overlapped(x), args=args, device=device,
+        facts={
+            "tokens": args.tokens, "num_ubatches": 2, "layers": args.layers,
+            "hidden": args.hidden, "experts": args.experts_per_rank * world_size,
+            "topk": args.topk,
+        },
     )
-    gathered = [torch.empty_like(summary) for _ in range(world_size)]
-    dist.all_gather(gathered, summary)
-    if rank == 0:
-        table = torch.stack(gathered).cpu()
-        whole, split, overlap = (table[:, column].max().item() for column in range(3))
-        all_bitwise, all_close = bool(table[:, 3].all()), bool(table[:, 4].all())
-        print(
-            f"MoE forward: {world_size} ranks ({dist.get_backend()}, {device.type}), "
-            f"{args.layers} layers, {args.tokens} tokens/rank, hidden {args.hidden}, "
-            f"{args.experts_per_rank * world_size} experts, top-{args.topk}"
-        )
-        print(f"  DBO == serial on the same ubatch split (bitwise): {all_bitwise}")
-        print(f"  DBO ~= serial on the whole batch (allclose):      {all_close}")
-        print(f"  step time, median of {args.steps}, slowest rank:")
-        print(f"    serial, whole batch               {whole:8.1f} ms")
-        print(f"    serial, two ubatches in turn      {split:8.1f} ms")
-        print(
-            f"    DBO, two ubatches overlapped      {overlap:8.1f} ms   speedup "
-            f"{whole / overlap:.2f}x over whole-batch serial, {split / overlap:.2f}x over "
-            "the same ubatches in turn"
-        )
-        blocked_split, blocked_dbo = (table[:, column].max().item() for column in (5, 6))
-        print(
-            f"  host blocked in collective waits per step (dbo.trace), slowest rank:\n"
-            f"    two ubatches in turn {blocked_split:6.1f} ms, DBO {blocked_dbo:6.1f} ms "
-            "(communication the overlap did not hide; NCCL's waits do not block the host)"
-        )
-        if args.trace_dir:
-            print(f"  DBO timelines: {args.trace_dir}/dbo_rank*.json (open in ui.perfetto.dev)")
-        if not (all_bitwise and all_close):
-            raise SystemExit("the overlapped forward does not match the serial one")
-    comm.destroy_distributed()
-
-
-def _spawned_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    """Entry of a process `--spawn` started: the environment torchrun would give it."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent hosts the store, as torchrun does
-    )
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) >= world_size:
-        os.sched_setaffinity(0, {cores[rank]})  # one core per rank, like one GPU per rank
-    torch.set_num_threads(max(1, len(cores) // world_size))
-    run(args, backend="gloo")  # CPU ranks, even where a GPU (fewer than N, maybe) is present
-
-
-def spawn(world_size: int, args: argparse.Namespace) -> None:
-    """Run `world_size` gloo ranks on this machine, without torchrun."""
-    import torch.multiprocessing as mp
-
-    # Bound to port 0: the OS picks a free port, and it stays ours while the ranks join.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    context = mp.start_processes(
-        _spawned_rank, args=(world_size, store.port, args), nprocs=world_size,
-        join=False, start_method="spawn",
-    )
-    deadline = time.monotonic() + args.timeout_s
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            raise SystemExit(f"the ranks did not finish within {args.timeout_s} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spawn", type=int, metavar="N", help="start N gloo ranks (no torchrun)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank per step")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--ffn", type=int, default=128)
-    parser.add_argument("--experts-per-rank", type=int, default=2)
-    parser.add_argument("--topk", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per mode")
-    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     parser.add_argument(
-        "--trace-dir", metavar="DIR", help="save each rank's DBO timeline (dbo.trace) here"
+        "--tokens", type=int, default=1024, help="tokens per rank per step (default 1024)"
     )
-    args = parser.parse_args()
-    if args.spawn is not None:
-        if args.spawn < 1:
-            parser.error(f"--spawn needs at least 1 rank, got {args.spawn}")
-        spawn(args.spawn, args)
-        return
-    try:
-        run(args)
-    except comm.TorchrunEnvironmentError as error:
-        raise SystemExit(f"{error}\nor, without torchrun: python {sys.argv[0]} --spawn 2") from None
+    parser.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
+    parser.add_argument("--ffn", type=int, default=128, help="expert hidden width (default 128)")
+    parser.add_argument(
+        "--experts-per-rank", type=int, default=2, help="experts each rank holds (default 2)"
+    )
+    parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    _harness.add_common_args(parser, default_out="dbo-demo")
+    _harness.launch(rank_main, parser.parse_args())
 
 
 if __name__ == "__main__":
