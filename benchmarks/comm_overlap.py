@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/comm_overlap.py            # spawns its own 2 gloo ranks
     .venv/bin/python benchmarks/comm_overlap.py --no-pin   # let the OS place the threads
     .venv/bin/python benchmarks/comm_overlap.py --greenlets  # + the schedule without threads
+    .venv/bin/python benchmarks/comm_overlap.py --json       # + one JSON line at the end
 
 Two ranks on loopback run a layer loop: per ubatch per layer, compute (matmuls on the
 ubatch's activations) then an `all_to_all_single` of those activations. The same two
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import json
 import math
 import multiprocessing
 import os
@@ -578,6 +580,9 @@ def main() -> None:
         "--configs", type=_parse_configs, default=CONFIGS,
         help="ROWS:RATIO,... rows per ubatch and target c/m (default: %(default)s)",
     )
+    parser.add_argument(
+        "--json", action="store_true", help="end with one JSON line of the results"
+    )
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
@@ -598,6 +603,18 @@ def main() -> None:
                 process.kill()
     _print_report(report)
     print(f"\n({time.perf_counter() - started:.0f} s)")
+    if args.json:  # NaN (an interval under 6 rounds) as null: strict JSON
+        print(json.dumps(_without_nan(report)))
+
+
+def _without_nan(value: Any) -> Any:
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_nan(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nan(item) for item in value]
+    return value
 
 
 if __name__ == "__main__":

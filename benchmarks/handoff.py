@@ -1,6 +1,6 @@
 """Cost of one baton handoff, against raw thread ping-pongs measured in the same run.
 
-    .venv/bin/python benchmarks/handoff.py [--handoffs 20000] [--rounds 5]
+    .venv/bin/python benchmarks/handoff.py [--handoffs 20000] [--rounds 5] [--json]
 
 Prints microseconds per handoff for:
   - dbo: two ubatches calling `dbo.yield_()` in a loop (one yield = one handoff);
@@ -8,13 +8,15 @@ Prints microseconds per handoff for:
     through locks; the baton's eventfd wake-ups, `dbo._wakeup`, beat it on Linux by
     waking the next thread with the GIL already released);
   - Event ring: the same with `threading.Event` (what a naive implementation uses);
-and the ratios to the raw lock. Rounds interleave the three; the table shows medians.
+and the ratios to the raw lock. Rounds interleave the three; the table shows medians
+(`--json`: then one JSON line of them).
 """
 
 from __future__ import annotations
 
 import _thread
 import argparse
+import json
 import statistics
 import threading
 import time
@@ -83,6 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--handoffs", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--json", action="store_true", help="end with one JSON line of the results"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, list[float]] = {"dbo.yield_()": [], "raw _thread lock": [], "Event ring": []}
@@ -94,9 +99,13 @@ def main() -> None:
             results["Event ring"].append(event_ring(args.handoffs))
     floor = statistics.median(results["raw _thread lock"])
     print(f"{'handoff':<20} {'us/handoff':>11} {'x raw lock':>11}")
-    for name, samples in results.items():
-        median = statistics.median(samples)
+    medians = {name: statistics.median(samples) for name, samples in results.items()}
+    for name, median in medians.items():
         print(f"{name:<20} {median * 1e6:>11.2f} {median / floor:>11.2f}")
+    if args.json:
+        keys = {"dbo.yield_()": "dbo", "raw _thread lock": "raw_lock", "Event ring": "event_ring"}
+        us = {keys[name]: median * 1e6 for name, median in medians.items()}
+        print(json.dumps({"handoffs": args.handoffs, "rounds": args.rounds, "us_per_handoff": us}))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Host time dbo and comm add per call, against the bare operations in the same run.
 
-    taskset -c 0 .venv/bin/python benchmarks/host_overhead.py [--calls 300] [--rounds 31]
+    taskset -c 0 .venv/bin/python benchmarks/host_overhead.py [--calls 300] [--rounds 31] [--json]
 
 On a GPU the host only launches kernels; when it cannot stay ahead of them (small decode
 steps, many layers), every microsecond the runtime spends per collective or per overlap
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import json
 import os
 import random
 import statistics
@@ -186,6 +187,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=300, help="calls per timed sample")
     parser.add_argument("--rounds", type=int, default=31, help="interleaved rounds")
+    parser.add_argument(
+        "--json", action="store_true", help="end with one JSON line of the results"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm.init_distributed(backend="gloo", allow_single_process=True)
@@ -200,6 +204,10 @@ def main() -> None:
     print(f"{'':<44}{'dbo/comm':>9}{'bare':>8}{'added':>8}")
     for label, ours, bare_us, added in rows:
         print(f"{label:<44}{ours:9.1f}{bare_us:8.1f}{added:8.1f}")
+    if args.json:
+        keys = ("label", "ours_us", "bare_us", "added_us")
+        table = [dict(zip(keys, row)) for row in rows]
+        print(json.dumps({"calls": args.calls, "rounds": args.rounds, "rows": table}))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/overlap_efficiency.py [--layers 8] [--rounds 5]
     .venv/bin/python benchmarks/overlap_efficiency.py --device cuda     # on a GPU
     .venv/bin/python benchmarks/overlap_efficiency.py --compare-pinning # caller pinned too
+    .venv/bin/python benchmarks/overlap_efficiency.py --configs 1:1:2,1:1:4 --json
 
 Model: each ubatch runs `--layers` layers; a layer is a compute segment of c ms (torch
 matmuls) followed by a transfer of m ms on one shared `comm.EmulatedLink` (FIFO, no CPU
@@ -30,12 +31,14 @@ same rounds (`dbo.overlap` then uses ubatch threads created on that CPU): every 
 then wakes a thread on the core the previous one leaves.
 
 The merge column is the cost of the default merge (torch.cat of the outputs) as a
-fraction of T_dbo, measured separately.
+fraction of T_dbo, measured separately. `--configs C:M:U,...` picks the rows (c ms, m ms,
+ubatches); `--json` ends the output with one JSON line of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -157,6 +160,23 @@ def measure(
     }
 
 
+DEFAULT_CONFIGS = (
+    [(c, c, 2) for c in (0.25, 0.5, 1.0, 2.0, 4.0)]
+    + [(1.0, 2.0, 2), (2.0, 1.0, 2), (0.5, 2.0, 2), (2.0, 0.5, 2)]
+    + [(1.0, 1.0, 3), (1.0, 1.0, 4), (2.0, 2.0, 3), (2.0, 2.0, 4)]
+)
+"""(c ms, m ms, ubatches) of each row by default."""
+
+
+def parse_configs(text: str) -> list[tuple[float, float, int]]:
+    """`C:M:U,...` as [(c ms, m ms, ubatches), ...]."""
+    configs = []
+    for item in text.split(","):
+        c_ms, m_ms, num_ubatches = item.split(":")
+        configs.append((float(c_ms), float(m_ms), int(num_ubatches)))
+    return configs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -166,6 +186,13 @@ def main() -> None:
         "--compare-pinning", action="store_true",
         help="also time DBO with the caller's thread pinned to one CPU (Linux)",
     )
+    parser.add_argument(
+        "--configs", type=parse_configs, default=DEFAULT_CONFIGS, metavar="C:M:U,...",
+        help="rows to measure: compute ms, transfer ms, ubatches (default: a sweep)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="end with one JSON line of the results"
+    )
     args = parser.parse_args()
     if args.compare_pinning and not hasattr(os, "sched_setaffinity"):
         parser.error("--compare-pinning needs os.sched_setaffinity (Linux)")
@@ -174,9 +201,6 @@ def main() -> None:
     size = MATMUL_SIZE[device.type]
     a = torch.randn(size, size, device=device)
     matmuls_per_ms = calibrate_matmuls(0.001, a, a) or 1
-    configs = [(c, c, 2) for c in (0.25, 0.5, 1.0, 2.0, 4.0)]
-    configs += [(1.0, 2.0, 2), (2.0, 1.0, 2), (0.5, 2.0, 2), (2.0, 0.5, 2)]
-    configs += [(1.0, 1.0, 3), (1.0, 1.0, 4), (2.0, 2.0, 3), (2.0, 2.0, 4)]
     print(
         f"{device}: {args.layers} layers per ubatch; c = compute, m = transfer per ubatch "
         "per layer"
@@ -187,12 +211,17 @@ def main() -> None:
         + (f" {'hidden, caller pinned':>22}" if args.compare_pinning else "")
     )
     print(header)
-    for c_ms, m_ms, num_ubatches in configs:
+    rows = []
+    for c_ms, m_ms, num_ubatches in args.configs:
         num_matmuls = max(1, round(c_ms * matmuls_per_ms))
         r = measure(
             c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls, device,
             args.compare_pinning,
         )
+        row = {"c_nominal_ms": c_ms, "m_ms": m_ms, "num_ubatches": num_ubatches, **r}
+        if not args.compare_pinning:
+            del row["hidden_pinned"]  # NaN: not measured
+        rows.append(row)
         print(
             f"{num_ubatches:>8} {c_ms:>6.2f} {r['c_ms']:>6.2f} {m_ms:>6.2f} "
             f"{r['serial_ms']:>10.2f} "
@@ -201,6 +230,8 @@ def main() -> None:
             + (f" {r['hidden_pinned']:>22.2f}" if args.compare_pinning else "")
         )
     dbo.close_default_runners()
+    if args.json:
+        print(json.dumps({"device": device.type, "layers": args.layers, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     taskset -c 0 .venv/bin/python benchmarks/wakeup_kinds.py   # one core
     .venv/bin/python benchmarks/wakeup_kinds.py                # let the OS place threads
+    .venv/bin/python benchmarks/wakeup_kinds.py --json         # + one JSON line at the end
 
 Two `UBatchRunner`s, identical except for the kind of wake-up their workers (and so
 their batons) park on, run the same calls in interleaved rounds:
@@ -19,6 +20,7 @@ eventfd / lock (paired: the host's drift cancels), and the context switches per 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import time
@@ -82,9 +84,16 @@ def _yields_with_matmuls(num_matmuls: int) -> Callable[[Any], Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument(
+        "--json", action="store_true", help="end with one JSON line of the results"
+    )
     args = parser.parse_args()
     if _wakeup.EventfdWakeup not in _wakeup.kinds():
-        raise SystemExit("no eventfd on this platform: the baton uses locks, nothing to compare")
+        reason = "no eventfd on this platform: the baton uses locks, nothing to compare"
+        if args.json:
+            print(json.dumps({"skipped": reason}))
+            return
+        raise SystemExit(reason)
     torch.set_num_threads(1)
     runners = {
         "lock": _runner_with(_wakeup.LockWakeup),
@@ -92,6 +101,7 @@ def main() -> None:
     }
     print(f"{'call':<14}{'lock us':>9}{'eventfd us':>12}{'eventfd/lock':>14}"
           f"{'switches: lock':>16}{'eventfd':>9}")
+    rows = []
     try:
         cases = (
             ("identity", _identity, 300),
@@ -110,6 +120,10 @@ def main() -> None:
             lock_us = [us for us, _ in samples["lock"]]
             eventfd_us = [us for us, _ in samples["eventfd"]]
             ratio = statistics.median(e / lo for e, lo in zip(eventfd_us, lock_us))
+            rows.append({
+                "call": name, "lock_us": statistics.median(lock_us),
+                "eventfd_us": statistics.median(eventfd_us), "eventfd_over_lock": ratio,
+            })
             print(
                 f"{name:<14}{statistics.median(lock_us):9.1f}{statistics.median(eventfd_us):12.1f}"
                 f"{ratio:14.2f}{statistics.median(s for _, s in samples['lock']):16.1f}"
@@ -118,6 +132,8 @@ def main() -> None:
     finally:
         for runner in runners.values():
             runner.close()
+    if args.json:
+        print(json.dumps({"rounds": args.rounds, "rows": rows}))
 
 
 if __name__ == "__main__":

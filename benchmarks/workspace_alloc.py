@@ -4,6 +4,7 @@ Run it with:
 
     .venv/bin/python benchmarks/workspace_alloc.py            # a few seconds
     .venv/bin/python benchmarks/workspace_alloc.py --rounds 15 --calls 5000
+    .venv/bin/python benchmarks/workspace_alloc.py --json     # + one JSON line at the end
 
 For each set of three tensors it times, in the same run and interleaved round by round:
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import platform
 import random
@@ -138,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--calls", type=int, default=2000, help="calls per method per round (default 2000)"
     )
+    parser.add_argument(
+        "--json", action="store_true", help="end with one JSON line of the results"
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.calls < 1:
         parser.error("--rounds and --calls must be >= 1")
@@ -158,9 +163,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     print()
     print(header)
     print("-" * len(header))
+    rows = []
     for device in devices:
         for case, requests in CASES.items():
             us = measure(device, requests, args.rounds, args.calls)
+            rows.append({
+                "device": device.type, "case": case.split(":")[0], "workspace_us": us["workspace"],
+                "empty_us": us["torch.empty"], "slice_view_us": us["slice+view"],
+            })
             print(
                 f"{device.type:6}  {case:54}  {us['workspace']:8.2f}us  "
                 f"{us['torch.empty']:9.2f}us  {us['slice+view']:8.2f}us  "
@@ -169,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
     print()
     print("ratios < 1: cheaper than allocating with torch.empty (lower is better)")
+    if args.json:
+        print(json.dumps({"rounds": args.rounds, "calls": args.calls, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`benchmarks/comm_overlap.py` runs end to end on a tiny configuration.
+"""`benchmarks/comm_overlap.py` runs end to end on a tiny configuration, its --json too.
 
 The benchmark checks that every mode (serial, DBO, DBO with hand-written collectives,
 the hand-written pipeline, the bare two-thread schedule, one shared group) computes
@@ -9,6 +9,7 @@ modes agree.
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def test_comm_overlap_benchmark_runs_and_prints_every_column() -> None:
     completed = subprocess.run(
         [
             sys.executable, str(SCRIPT), "--rounds", "6", "--layers", "2",
-            "--configs", "64:1.0", "--timeout-s", "60",
+            "--configs", "64:1.0", "--timeout-s", "60", "--json",
         ],
         capture_output=True, text=True, timeout=90,
     )
@@ -52,6 +53,9 @@ def test_comm_overlap_benchmark_runs_and_prints_every_column() -> None:
         low, high = (float(bound) for bound in interval.split("-"))
         assert low <= float(share) <= high, rows[2]
     assert verdict in ("faster", "tie", "slower"), rows[2]
+    (result,) = json.loads(lines[-1])["rows"]
+    assert result["label"] == "16 KB, c~1m"
+    assert result["serial"] > 0 and result["dbo"] > 0 and result["dbo/pipeline"] > 0, result
 
 
 def _benchmark_module() -> Any:

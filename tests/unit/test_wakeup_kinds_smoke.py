@@ -1,7 +1,8 @@
-"""`benchmarks/wakeup_kinds.py` runs end to end on a tiny configuration."""
+"""`benchmarks/wakeup_kinds.py` runs end to end on a tiny configuration, its --json too."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "wakeup_kinds.py"
 )
 def test_wakeup_kinds_benchmark_prints_both_kinds_for_each_call() -> None:
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--rounds", "1"],
+        [sys.executable, str(SCRIPT), "--rounds", "1", "--json"],
         capture_output=True, text=True, timeout=60,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -29,3 +30,8 @@ def test_wakeup_kinds_benchmark_prints_both_kinds_for_each_call() -> None:
         )
         assert lock_us > 0 and eventfd_us > 0 and ratio > 0, row
         assert lock_switches >= 0 and eventfd_switches >= 0, row
+    result = json.loads(completed.stdout.splitlines()[-1])
+    assert [row["call"] for row in result["rows"]] == [
+        "identity", "100 handoffs", "+ 1 matmul", "+ 5 matmuls"
+    ]
+    assert all(row["eventfd_over_lock"] > 0 for row in result["rows"]), result
