@@ -34,7 +34,7 @@ import dbo
 from comm._checks import require_same_device, require_tensor, resolve_group
 from comm.collectives import CollectiveWork, all_reduce, all_to_all_single
 
-__all__ = ["DispatchHandle", "combine", "dispatch"]
+__all__ = ["DispatchHandle", "combine", "dispatch", "shard_experts"]
 
 
 @dataclass(frozen=True)
@@ -386,3 +386,6 @@ def _check_num_experts(num_experts: Any, world_size: int) -> int:
             f"are split evenly over the ranks); use a multiple of {world_size}"
         )
     return value
+
+
+from comm._hf import shard_experts  # noqa: E402 - it builds on dispatch/combine above

@@ -36,6 +36,7 @@ from dbo.api import (
     yield_and_switch_to_compute,
 )
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError
+from dbo.hooks import yield_between
 from dbo.overlap import close_default_runners, overlap
 from dbo.runner import RunnerState, UBatchRunner
 from dbo.split import (
@@ -75,4 +76,5 @@ __all__ = [
     "yield_",
     "yield_and_switch_to_comm",
     "yield_and_switch_to_compute",
+    "yield_between",
 ]

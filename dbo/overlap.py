@@ -9,7 +9,7 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
@@ -30,6 +30,8 @@ from dbo.split import (
     UBatchInputs,
     batch_size_of,
     default_merge,
+    hold_out,
+    put_back,
     split_parts,
     splittable_leaves,
 )
@@ -40,6 +42,8 @@ SplitFn = Callable[[tuple[Any, ...], dict[str, Any], int], UBatchInputs]
 """`split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`"""
 MergeFn = Callable[[Sequence[Any]], Any]
 """`merge([output_0, output_1, ...]) -> output`"""
+NoSplit = Sequence[str | int] | str | int
+"""`no_split=`: argument names and positional indices (one, or a sequence of them)."""
 
 
 _MAX_IDLE_RUNNERS = 2
@@ -136,28 +140,17 @@ def close_default_runners() -> None:
 
 @overload
 def overlap(
-    fn: F,
-    *,
-    num_ubatches: int = 2,
-    split: SplitFn | None = None,
-    merge: MergeFn | None = None,
-    min_batch_size: int | None = None,
-    timeout_s: float | None = None,
-    device: torch.device | str | int | None = None,
-    decision_group: Any = None,
+    fn: F, *, num_ubatches: int = 2, split: SplitFn | None = None, merge: MergeFn | None = None,
+    no_split: NoSplit = (), min_batch_size: int | None = None, timeout_s: float | None = None,
+    device: torch.device | str | int | None = None, decision_group: Any = None,
 ) -> F: ...
 
 
 @overload
 def overlap(
-    fn: None = None,
-    *,
-    num_ubatches: int = 2,
-    split: SplitFn | None = None,
-    merge: MergeFn | None = None,
-    min_batch_size: int | None = None,
-    timeout_s: float | None = None,
-    device: torch.device | str | int | None = None,
+    fn: None = None, *, num_ubatches: int = 2, split: SplitFn | None = None,
+    merge: MergeFn | None = None, no_split: NoSplit = (), min_batch_size: int | None = None,
+    timeout_s: float | None = None, device: torch.device | str | int | None = None,
     decision_group: Any = None,
 ) -> Callable[[F], F]: ...
 
@@ -168,6 +161,7 @@ def overlap(
     num_ubatches: int = 2,
     split: SplitFn | None = None,
     merge: MergeFn | None = None,
+    no_split: NoSplit = (),
     min_batch_size: int | None = None,
     timeout_s: float | None = None,
     device: torch.device | str | int | None = None,
@@ -175,67 +169,38 @@ def overlap(
 ) -> Any:
     """Wrap `fn` so that each call splits its batch into ubatches and overlaps them.
 
-    Usable as `dbo.overlap(model)`, `dbo.overlap(model.forward, num_ubatches=3)`,
-    `@dbo.overlap` and `@dbo.overlap(num_ubatches=2)`. The wrapper has `fn`'s signature.
+    Usable as `dbo.overlap(model)`, `dbo.overlap(fn, num_ubatches=3)`, `@dbo.overlap` and
+    `@dbo.overlap(...)`; the wrapper has `fn`'s signature. A call splits the arguments
+    (`split`; default `dbo.default_split`: tensor leaves along dim 0), runs `fn` on part i
+    in ubatch thread i, passing the baton at yield points (threads, streams and errors:
+    `UBatchRunner.run`), and merges the outputs (`merge`; default `dbo.default_merge`:
+    concatenated along dim 0 in ubatch order; HF outputs and losses: see there).
 
-    A call:
-      1. splits the arguments with `split` (default: every tensor leaf with ndim >= 1 of
-         args/kwargs along dim 0, like `torch.tensor_split`; other leaves go to every
-         ubatch unchanged; dim-0 sizes that differ raise ValueError naming the paths);
-      2. runs `fn` on part i in ubatch thread i, passing the baton at yield points (see
-         `UBatchRunner.run` for threading, stream and error semantics);
-      3. merges the outputs with `merge` (default: tensor leaves concatenated along dim
-         0 in ubatch order; `dbo.merge_parts` returns the parts without copying).
-
-    Runs `fn` once on the whole input in the calling thread, with no threads
-    (`dbo.enabled()` False), when the batch is smaller than `num_ubatches` or than
-    `min_batch_size`, or has no tensor to split. Called inside a ubatch (a nested
-    overlap), under a `torch.func` transform (grad, vmap: ubatch threads cannot see
-    it), or under a torch-function or dispatch mode (FakeTensorMode, a FLOP counter,
-    `allow_mutation_on_saved_tensors`; not `with torch.device(...)`, which the workers
-    replay), it also runs `fn` inline on its whole input. With a custom `merge`, an inline
-    call returns `merge([output])`, so the result has one type whatever the path.
-    The batch size is the common dim 0 of the tensor leaves; with a custom `split`,
-    the largest dim 0 (ragged inputs: metadata per request next to the tokens).
-
-    Merging (the default): outputs must have the same structure in every ubatch (dicts
-    may list their keys in another order). Non-tensor leaves must be equal and are
-    returned once: an int or `torch.Size` computed from the ubatch's rows comes back as
-    ubatch 0's value, so return such values as tensors, or pass `merge=`. Containers
-    are those `torch.utils._pytree` knows (`dbo.split`); a dataclass is one once
-    registered with `torch.utils._pytree.register_dataclass`. A method decorated with
-    `@dbo.overlap` receives `self` as its first argument, split like any argument; wrap
-    the bound method instead (`dbo.overlap(obj.method)`).
-
-    Grad mode: `fn` runs under the caller's grad mode. A caller in `no_grad` whose `fn`
-    turns grad on gets what a direct call gives: the split (default or custom) then
-    runs with grad on when an input requires grad, and the default merge keeps the
-    graph of outputs that have one. A custom `merge` runs under the caller's mode.
+    It runs `fn` once on the whole input in the calling thread instead (`dbo.enabled()`
+    False) when the batch is smaller than `num_ubatches` or `min_batch_size` or has no
+    tensor to split, inside a ubatch, and under a `torch.func` transform or a torch
+    function or dispatch mode (which ubatch threads cannot see; `torch.device` they
+    replay); with a custom `merge` it then returns `merge([output])`. `fn` runs under the
+    caller's grad mode; the split and merge keep the graph when `fn` turns grad on.
+    Wrap a bound method (`dbo.overlap(obj.method)`): a decorated method's `self` is split.
 
     Args:
         num_ubatches: ubatches per call, an int in [1, 1024].
-        split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`.
+        split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`; the batch
+            size is then the largest dim 0 (ragged inputs).
         merge: `merge([out_0, out_1, ...]) -> out`.
-        min_batch_size: below this batch size, run inline (overlap loses on small
-            batches). In a distributed job every rank must take the same decision, or
-            their collectives mismatch and the job hangs: pass `decision_group`, or give
-            every rank the same batch size.
-        timeout_s: watchdog; a ubatch running longer than this between two yield
-            points (holding the baton) raises `OverlapTimeoutError` naming it and
-            showing its stack. None: no watchdog.
-        device: where the ubatch streams live; None: the device of the first CUDA tensor
-            in the inputs (CPU when there is none).
-        decision_group: a `torch.distributed` process group (or
-            `torch.distributed.group.WORLD`) whose ranks decide together: the local batch
-            sizes are all-reduced (MIN) on it, one small collective per call, and every
-            rank overlaps only if every rank's batch passes the thresholds above. Required
-            when ranks may see different batch sizes and `fn` communicates. A rank whose
-            input cannot be sized (tensors whose dim 0 differ) still takes part before it
-            raises, and every other rank then raises RuntimeError instead of waiting. A
-            rank that must run inline (under a mode or a `torch.func` transform, such
-            as a FLOP counter on rank 0 only) votes inline, so every rank does.
-            Build the wrapper after `comm.init_distributed()`: before it,
-            `torch.distributed.group.WORLD` is None, which means "no decision group".
+        no_split: names of keyword arguments and indices of positional ones passed whole
+            to every ubatch (`position_ids` of shape [1, S], a rotary cache); ValueError for
+            a name `fn` does not take (here) or an index past the call's arguments.
+        min_batch_size: below this batch size, run inline (overlap loses on small batches).
+        timeout_s: watchdog: a ubatch holding the baton longer than this raises
+            `OverlapTimeoutError` naming it, with its stack. None: no watchdog.
+        device: where the ubatch streams live; None: the first CUDA input's, else CPU.
+        decision_group: a process group whose ranks decide together (a MIN all-reduce of
+            the batch sizes per call): all overlap or none. Needed when ranks may see
+            different batch sizes (or a mode on one rank only) and `fn` communicates, or
+            their collectives mismatch and hang; a rank whose input cannot be sized makes
+            every rank raise. Build the wrapper after `comm.init_distributed()`.
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
@@ -250,18 +215,16 @@ def overlap(
     for name, value in (("split", split), ("merge", merge)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable, got {value!r}")
-    resolved_device = None if device is None else torch.device(device)
+    no_split = (no_split,) if isinstance(no_split, (str, int)) else tuple(no_split)
+    if no_split and split is not None:
+        raise ValueError("pass no_split= or split=, not both: a custom split decides itself")
+    options: dict[str, Any] = dict(
+        num_ubatches=num_ubatches, split=split, merge=merge, min_batch_size=min_batch_size,
+        timeout_s=timeout_s, device=None if device is None else torch.device(device),
+        decision_group=decision_group,
+    )
     if fn is None:
-        return functools.partial(
-            overlap,
-            num_ubatches=num_ubatches,
-            split=split,
-            merge=merge,
-            min_batch_size=min_batch_size,
-            timeout_s=timeout_s,
-            device=resolved_device,
-            decision_group=decision_group,
-        )
+        return functools.partial(overlap, no_split=no_split, **options)
     if not callable(fn):
         raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
     if (
@@ -269,31 +232,44 @@ def overlap(
         or inspect.isasyncgenfunction(fn)
         or inspect.isgeneratorfunction(fn)
     ):
-        # Calling one returns a coroutine or generator without running its body: the
-        # ubatches would end at once and the body would run later, outside the overlap.
+        # Calling one returns a coroutine or generator without running its body.
         raise TypeError(
             f"dbo.overlap needs a plain function; {fn!r} is a coroutine or generator "
             "function, whose body would run after the overlap, not in its ubatches"
         )
-    target = fn
+    overlapped = _wrapper(fn, _whole_arguments(fn, no_split), **options)
+    if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
+        functools.update_wrapper(overlapped, fn, updated=())
+    else:
+        functools.update_wrapper(overlapped, fn)
+    overlapped.__wrapped__ = fn  # type: ignore[attr-defined]
+    return overlapped
+
+
+def _wrapper(
+    target: Callable[..., Any], whole: tuple[frozenset[int], frozenset[str]], *, num_ubatches: int,
+    split: SplitFn | None, merge: MergeFn | None, min_batch_size: int | None,
+    timeout_s: float | None, device: torch.device | None, decision_group: Any,
+) -> Callable[..., Any]:
+    """The function `overlap` returns (its options checked)."""
 
     def inline(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # One part: a custom merge still shapes the result, so callers see one type.
-        output = target(*args, **kwargs)
+        output = target(*args, **kwargs)  # a custom merge still shapes the result
         return output if merge is None else merge([output])
 
-    def split_into_parts(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-        if split is None:  # its size check already ran (batch_size_of)
-            return split_parts(args, kwargs, num_ubatches)
-        return _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
+    whole_indices, whole_names = whole
+    last_index = max(whole_indices, default=-1)
 
     def overlapped(*args: Any, **kwargs: Any) -> Any:
+        if last_index >= len(args):
+            raise ValueError(
+                f"no_split names positional argument {last_index}, but the call passed "
+                f"{len(args)} positional arguments"
+            )
         if current_context() is not None:
             return inline(args, kwargs)  # nested: no ubatches inside a ubatch
-        # A torch.func transform (grad, vmap) lives in this thread's interpreter stack,
-        # which ubatch threads do not see; so do torch-function and dispatch modes.
-        # With a decision group this rank still votes (for inline): a mode on some
-        # ranks only (a FLOP counter on rank 0) must send every rank inline.
+        # The ubatch threads do not see a torch.func transform or a mode of this thread;
+        # with a decision group this rank still votes, so that every rank runs inline.
         must_inline = _under_functorch_transform() or _thread_settings.unreplayed_mode_active()
         if must_inline and decision_group is None:
             return inline(args, kwargs)
@@ -301,50 +277,70 @@ def overlap(
         start = time.perf_counter() if recording is not None else 0.0
         name = "dbo.overlap"
         try:
-            try:
-                leaves = splittable_leaves(args, kwargs, check_leaves=split is None)
-                size = batch_size_of(leaves) if split is None else _largest_size(leaves)
-            except Exception:
-                if decision_group is not None:
-                    _report_failure_to_ranks(decision_group)
-                raise
-            if decision_group is not None:
-                vote = 0 if size is None or must_inline else size
-                size = _smallest_batch_across_ranks(vote, decision_group, leaves)
-                if size == _FAILED_RANK:
-                    raise RuntimeError(
-                        "dbo.overlap: another rank of decision_group could not size its "
-                        "input (its own error says why), so no rank runs the function: "
-                        "they would wait for that rank's collectives"
-                    )
+            cut_args, cut_kwargs, held = hold_out(args, kwargs, whole_indices, whole_names)
+            leaves, size = _decided_size(
+                cut_args, cut_kwargs, split is not None, decision_group, must_inline
+            )
             if size is None or size < num_ubatches or (
                 min_batch_size is not None and size < min_batch_size
             ):
                 name = "dbo.overlap inline"
                 return inline(args, kwargs)
             if not torch.is_grad_enabled() and any(leaf.requires_grad for _, leaf in leaves):
-                # A caller in no_grad whose fn turns grad on: the parts must keep their
-                # link to the inputs, as the inputs themselves would in a direct call.
+                # A caller in no_grad whose fn turns grad on: the parts keep their link to
+                # the inputs, as the inputs themselves would in a direct call.
                 with torch.enable_grad():
-                    parts = split_into_parts(args, kwargs)
+                    parts = _split(split, cut_args, cut_kwargs, num_ubatches)
             else:
-                parts = split_into_parts(args, kwargs)
-            run_device = resolved_device or next(
+                parts = _split(split, cut_args, cut_kwargs, num_ubatches)
+            run_device = device or next(
                 (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
             )
-            with _runner_pool.lease(num_ubatches, resolved_device) as runner:
-                outputs = runner.run(target, parts, timeout_s=timeout_s, device=run_device)
+            with _runner_pool.lease(num_ubatches, device) as runner:
+                outputs = runner.run(
+                    target, put_back(parts, held), timeout_s=timeout_s, device=run_device
+                )
             return (merge or default_merge)(outputs)
         finally:  # failed calls too: their turns are on the timeline
             if recording is not None:
                 recording.add(name, tracing.CALLER, start, time.perf_counter())
 
-    if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
-        functools.update_wrapper(overlapped, fn, updated=())
-    else:
-        functools.update_wrapper(overlapped, fn)
-    overlapped.__wrapped__ = fn  # type: ignore[attr-defined]
     return overlapped
+
+
+def _whole_arguments(
+    fn: Callable[..., Any], no_split: Sequence[Any]
+) -> tuple[frozenset[int], frozenset[str]]:
+    """`no_split`'s positions and keyword names, the names checked against `fn`'s."""
+    try:
+        params: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        params = {}
+    for item in no_split:
+        if not isinstance(item, str):
+            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+                raise TypeError(f"no_split takes argument names and indices >= 0, got {item!r}")
+        elif params and (
+            item not in params or params[item].kind in (_VAR_POSITIONAL, _VAR_KEYWORD)
+        ):
+            raise ValueError(
+                f"no_split names {item!r}, which is not a named parameter of {fn!r} (its "
+                f"parameters: {', '.join(params)}); for one it takes through **kwargs, "
+                "wrap it in a function that names it"
+            )
+    indices = frozenset(item for item in no_split if isinstance(item, int))
+    return indices, frozenset(item for item in no_split if isinstance(item, str))
+
+
+_VAR_POSITIONAL, _VAR_KEYWORD = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
+
+
+def _split(
+    split: SplitFn | None, args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
+) -> UBatchInputs:
+    if split is None:  # the leaves were checked when sized
+        return split_parts(args, kwargs, num_ubatches)
+    return _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
 
 
 def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
@@ -364,22 +360,42 @@ def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
     for index, part in enumerate(parts):
         if not is_ubatch_input(part):
             raise TypeError(
-                f"split= returned {describe_ubatch_input(part)} as part {index}; each part must be "
-                "an (args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
+                f"split= returned {describe_ubatch_input(part)} as part {index}; each part must "
+                "be an (args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
             )
     return parts
 
 
+def _decided_size(
+    args: tuple[Any, ...], kwargs: dict[str, Any], custom_split: bool, group: Any,
+    must_inline: bool,
+) -> tuple[list[tuple[str, torch.Tensor]], int | None]:
+    """The (path, tensor) leaves to split and the batch size: this rank's, or with a
+    decision `group` the MIN over its ranks (0 from a rank that must run inline). A rank
+    that cannot size its input (dim-0 sizes that differ) still takes part before it
+    raises, and every other rank then raises too instead of waiting for it."""
+    try:
+        leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
+        size = _largest_size(leaves) if custom_split else batch_size_of(leaves)
+    except Exception:
+        if group is not None:
+            with contextlib.suppress(Exception):  # this rank's own error says more
+                _smallest_batch_across_ranks(_FAILED_RANK, group)
+        raise
+    if group is not None:
+        vote = 0 if size is None or must_inline else size
+        size = _smallest_batch_across_ranks(vote, group, leaves)
+        if size == _FAILED_RANK:
+            raise RuntimeError(
+                "dbo.overlap: another rank of decision_group could not size its input (its "
+                "own error says why), so no rank runs the function: they would wait for "
+                "that rank's collectives"
+            )
+    return leaves, size
+
+
 _FAILED_RANK = -1
-"""What a rank whose input cannot be sized contributes to the decision: the MIN tells
-every rank, which then raises instead of running `fn` without it."""
-
-
-def _report_failure_to_ranks(group: Any) -> None:
-    """Take part in the decision of a call that is about to raise, so that the other
-    ranks raise too instead of waiting in the decision (or in `fn`'s collectives)."""
-    with contextlib.suppress(Exception):  # this rank's own error says more
-        _smallest_batch_across_ranks(_FAILED_RANK, group)
+"""The vote of a rank whose input cannot be sized: the MIN tells every rank."""
 
 
 def _smallest_batch_across_ranks(
@@ -390,36 +406,26 @@ def _smallest_batch_across_ranks(
 
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
-        # The group's own GPU when it has one (init_distributed binds it), else the
-        # inputs': the current device is per thread, and a caller thread other than
-        # the one that initialized would name cuda:0 on every rank.
+        # The group's own GPU (init_distributed binds it), else the inputs': the current
+        # device is per thread, and another caller thread would name cuda:0 everywhere.
         device = getattr(group, "bound_device_id", None) or next(
             (leaf.device for _, leaf in leaves if leaf.is_cuda),
             torch.device("cuda", torch.cuda.current_device()),
         )
-    # torch.full, not torch.tensor: a copy from host memory would sync the host once
-    # more than the .item() that the decision needs. Outside any mode the caller is
-    # under (a FakeTensorMode would make the vote a fake tensor).
-    with _no_torch_modes():
+    # torch.full: a copy from host memory would sync the host once more than .item().
+    # Outside the caller's modes (a FakeTensorMode would make the vote a fake tensor).
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
         size = torch.full((1,), local_size, dtype=torch.int64, device=device)
         dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
         return int(size.item())
 
 
-@contextlib.contextmanager
-def _no_torch_modes() -> Iterator[None]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
-        yield
-
-
 def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
-    """The largest dim 0 among the tensor leaves: the batch size a custom split works
-    on. Inputs may be ragged (per-request metadata next to the tokens), so dim-0 sizes
-    need not agree, and the tokens are the largest."""
+    """The largest dim 0 of the leaves: a custom split's batch size (ragged inputs: per
+    request metadata next to the tokens, which are the largest)."""
     return max((int(leaf.size(0)) for _, leaf in leaves), default=None)
-
 
 
 def _under_functorch_transform() -> bool:

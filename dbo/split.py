@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -165,6 +166,30 @@ def split_parts(
     ]
 
 
+def hold_out(
+    args: tuple[Any, ...], kwargs: dict[str, Any], indices: frozenset[int], names: frozenset[str]
+) -> tuple[tuple[Any, ...], dict[str, Any], dict[int | str, Any]]:
+    """The arguments without those passed whole (`no_split`: None in their positions),
+    and those, by position or name, for `put_back`."""
+    held: dict[int | str, Any] = {i: args[i] for i in indices if i < len(args)}
+    held.update((name, kwargs[name]) for name in names if name in kwargs)
+    if not held:
+        return args, kwargs, held
+    rest = {key: value for key, value in kwargs.items() if key not in held}
+    return tuple(None if i in held else arg for i, arg in enumerate(args)), rest, held
+
+
+def put_back(parts: UBatchInputs, held: dict[int | str, Any]) -> UBatchInputs:
+    """Each ubatch's arguments with the `hold_out` ones back in their places."""
+    if not held:
+        return parts
+    named = {key: value for key, value in held.items() if isinstance(key, str)}
+    return [
+        (tuple(held.get(i, arg) for i, arg in enumerate(args)), {**kwargs, **named})
+        for args, kwargs in parts
+    ]
+
+
 def _split_argument(value: Any, num_ubatches: int) -> Sequence[Any]:
     """The `num_ubatches` parts of one argument (itself each time if nothing is split)."""
     if type(value) is torch.Tensor:
@@ -185,10 +210,13 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     """Concatenate the tensor leaves of the ubatch outputs along dim 0, in ubatch order.
 
     All outputs must have the same structure (dicts may list their keys in another
-    order). A non-tensor leaf must be equal in every output (it is returned once);
-    0-dim tensors cannot be concatenated. Both cases that do not hold raise ValueError
-    naming the leaf: pass `merge=` to combine them your way. The concatenation copies
-    every output once; `merge_parts` avoids the copy.
+    order); a transformers `ModelOutput` merges field by field. A non-tensor leaf must be
+    equal in every output and is returned once (an int computed from the rows comes
+    back as ubatch 0's: return it as a tensor). ValueError naming the leaf otherwise,
+    and for a 0-dim tensor (a loss, `aux_loss`) or a transformers cache: under DBO pass
+    `use_cache=False`, and compute the loss from the merged logits, or pass a `merge=`
+    that weights each ubatch's loss by its rows. The concatenation copies every output
+    once; `merge_parts` avoids the copy.
     """
     if len(outputs) == 0:
         raise ValueError("default_merge got no ubatch outputs to merge (an empty sequence)")
@@ -237,6 +265,12 @@ def _merged_leaf(values: list[Any]) -> Any:
             raise _Unmergeable(_unregistered(first, "merge"))
         if all(_same(first, value) for value in values[1:]):
             return first
+        cache_utils = sys.modules.get("transformers.cache_utils")
+        if cache_utils is not None and isinstance(first, cache_utils.Cache):
+            raise _Unmergeable(
+                f"it is a transformers {type(first).__name__} (use_cache=True), which does "
+                "not merge; pass use_cache=False to the overlapped model"
+            )
         raise _Unmergeable(
             f"the ubatches returned different non-tensor values {values!r}; pass merge= "
             "to combine them"
