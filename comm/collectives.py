@@ -196,18 +196,20 @@ def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any
     """`wait(*args)`, recorded as "wait <name>" on `track` when a `dbo.trace()` is
     active. `track` None: the calling thread's ubatch (a recv hook may wait another
     ubatch's handle), or the caller's track outside an overlap."""
-    recording = tracing.active()
-    if recording is None:
+    recording, profiling = tracing.active(), torch.autograd.profiler._is_profiler_enabled
+    if recording is None and not profiling:
         wait(*args)
         return
     if track is None:
         track = dbo.current_ubatch_id() if dbo.enabled() else tracing.CALLER
     start = time.perf_counter()
+    profile_range = tracing.begin_range(track, f"wait {name}") if profiling else None
     try:
         wait(*args)
     finally:
-        # Interned: a trace keeps up to a million spans, all sharing one label string.
-        recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())
+        tracing.end_range(profile_range)
+        if recording is not None:  # interned: up to a million spans share one label
+            recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())
 
 
 def _run(

@@ -17,6 +17,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from torch.autograd import profiler
+
 from dbo import tracing
 from dbo._wakeup import Wakeup, new_wakeup
 from dbo.errors import UBatchAbortedError
@@ -60,6 +62,7 @@ class Baton:
         self._turn_start: list[float | None] = [None] * num_ubatches
         """When each ubatch's thread last woke holding the baton (None: never): where a
         traced turn starts, so that a wake-up's latency is a gap between turns."""
+        self._ranges: list[object] = [None] * num_ubatches  # torch.profiler turn ranges
 
     # ------------------------------------------------------------------ caller side
     def start(self) -> None:
@@ -138,6 +141,9 @@ class Baton:
             recording = tracing._active
             if recording is not None:
                 recording.add("baton", ubatch_id, self._turn_start[ubatch_id] or 0.0, now)
+            if self._ranges[ubatch_id] is not None:
+                tracing.end_range(self._ranges[ubatch_id])
+                self._ranges[ubatch_id] = None
             self.holder = successor
             self.holder_since = now
             self.num_turns += 1
@@ -159,6 +165,9 @@ class Baton:
             started = self._turn_start[ubatch_id]
             if recording is not None and held and started is not None:  # it ran a turn
                 recording.add("baton", ubatch_id, started, time.perf_counter())
+            if self._ranges[ubatch_id] is not None:
+                tracing.end_range(self._ranges[ubatch_id])
+                self._ranges[ubatch_id] = None
             self._live[ubatch_id] = False
             self._num_live -= 1
             last = self._num_live == 0
@@ -187,6 +196,8 @@ class Baton:
         self._turn_start[ubatch_id] = time.perf_counter()
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
+        if profiler._is_profiler_enabled:  # a torch.profiler profile shows the turn
+            self._ranges[ubatch_id] = tracing.begin_range(ubatch_id, "turn")
 
     def _next_live(self, ubatch_id: int) -> int:
         for step in range(1, self.num_ubatches + 1):

@@ -2,25 +2,21 @@
 its thread sat blocked waiting for a collective.
 
     with dbo.trace() as timeline:
-        for _ in range(10):
-            step(x)
+        step(x)
     print(timeline.summary())             # per ubatch: turns, baton time, blocked time
     timeline.save("dbo_trace.json")       # open in https://ui.perfetto.dev or chrome://tracing
+    timeline.plot("dbo_trace.png")        # needs matplotlib (the `plot` extra)
 
-Recorded on host clocks (`time.perf_counter`):
-  - "baton": a span per turn, from the moment a ubatch's thread woke holding the baton
-    to the moment it handed it on or finished (a wake-up is a gap between turns);
-  - "wait <collective>": the part of a turn a `comm` collective's `wait()` blocked the
-    host (gloo blocks; NCCL's wait only orders streams): communication the overlap did
-    not hide; outside an overlap too (track "caller");
-  - "dbo.overlap": each overlapped call on the caller's thread, split and merge included
-    ("dbo.overlap inline" for a call that ran `fn` on the whole batch; nested calls and
-    calls under a mode or a `torch.func` transform are not recorded).
+Spans, on the `time.perf_counter` clock: "baton", a turn, from the wake-up of a ubatch's
+thread holding the baton to its handoff or finish; "wait <collective>", the time a `comm`
+wait blocked the host (gloo blocks, NCCL's wait only orders streams), on the caller's
+track outside an overlap; "dbo.overlap" ("dbo.overlap inline"), each call on the
+caller's thread (nested calls and calls under a mode or `torch.func` are not recorded).
+One trace at a time per process; concurrent overlaps get tracks of their own.
 
-A turn minus its waits is host work; GPU kernels are not on this timeline (use
-`torch.profiler`). While no trace is active, recording costs one attribute read per
-handoff and per collective. One trace at a time per process (each rank records its
-own); concurrent overlaps get tracks of their own, and `totals()` adds them up.
+In a `torch.profiler` profile each turn and wait is also a range, `dbo/ubatch1/turn`,
+`dbo/ubatch1/wait all_to_all_single`, beside the kernels; the ubatch threads are recorded
+with `experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True)`.
 """
 
 from __future__ import annotations
@@ -34,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+
 CALLER = -1
 """The `ubatch_id` of spans recorded outside a ubatch thread (the caller's thread)."""
 
@@ -42,15 +40,14 @@ DEFAULT_MAX_SPANS = 1_000_000
 
 
 class Span(NamedTuple):
-    """One interval of the timeline (seconds on the `time.perf_counter` clock)."""
+    """One interval of the timeline, in seconds, on the thread of ubatch `ubatch_id`
+    (`CALLER`: the caller's thread) whose `threading.get_ident()` is `thread_id`."""
 
     name: str
     ubatch_id: int
-    """The ubatch whose thread it belongs to; `CALLER` for the caller's thread."""
     start_s: float
     end_s: float
     thread_id: int = 0
-    """`threading.get_ident()` of that thread (concurrent overlaps: their own tracks)."""
 
     @property
     def duration_s(self) -> float:
@@ -59,9 +56,8 @@ class Span(NamedTuple):
 
 @dataclass(frozen=True)
 class UBatchTotals:
-    """What one ubatch (or the caller, `CALLER`) did over a trace: how many times it got
-    the baton, how long it held it, how long its thread was blocked in collective waits,
-    and how many waits."""
+    """What one ubatch (or `CALLER`) did over a trace: its turns with the baton, the time it
+    held it, the time its thread was blocked in collective waits, and how many waits."""
 
     turns: int
     baton_s: float
@@ -79,15 +75,13 @@ class Trace:
             raise ValueError(f"max_spans must be an int >= 1, got {max_spans!r}")
         self.max_spans = max_spans
         self.spans: list[Span] = []
-        self.dropped = 0
-        """Spans not kept because `max_spans` were already recorded."""
+        self.dropped = 0  # spans not kept: `max_spans` were recorded already
         self.start_s = time.perf_counter()
         self.end_s: float | None = None
         self._lock = threading.Lock()
 
     def add(self, name: str, ubatch_id: int, start_s: float, end_s: float) -> None:
-        """Record a span of the calling thread, clipped to the trace's start; ignored once
-        the `dbo.trace()` block has exited."""
+        """Record a span of this thread, clipped to the trace's start, until the block exits."""
         start_s = max(start_s, self.start_s)
         span = Span(name, ubatch_id, start_s, max(end_s, start_s), threading.get_ident())
         with self._lock:  # several overlaps may run at once, from several callers
@@ -98,10 +92,8 @@ class Trace:
             else:
                 self.dropped += 1
 
-    # ------------------------------------------------------------------ reading
     def _snapshot(self) -> list[Span]:
-        """The spans so far, copied under the lock: readers may run while overlaps
-        still record, and must see one set of spans."""
+        """The spans so far, one consistent set while overlaps still record."""
         with self._lock:
             return list(self.spans)
 
@@ -131,18 +123,15 @@ class Trace:
             f"{'':<10}{'turns':>7}{'baton ms':>10}{'blocked ms':>12}{'waits':>7}",
         ]
         for key, total in self.totals().items():
-            label = "caller" if key == CALLER else f"ubatch {key}"
             lines.append(
-                f"{label:<10}{total.turns:>7}{total.baton_s * 1e3:>10.2f}"
+                f"{_label(key):<10}{total.turns:>7}{total.baton_s * 1e3:>10.2f}"
                 f"{total.blocked_s * 1e3:>12.2f}{total.waits:>7}"
             )
-        if self.dropped:  # first: the counts below cover the kept spans only
-            lines.insert(
-                0,
-                f"TRUNCATED: {self.dropped} spans dropped past max_spans={self.max_spans}; "
-                f"the numbers below cover the first {len(spans)} spans only",
-            )
-        return "\n".join(lines)
+        truncated = (
+            f"TRUNCATED: {self.dropped} spans dropped past max_spans={self.max_spans}; the "
+            f"numbers below cover the first {len(spans)} spans only\n" if self.dropped else ""
+        )
+        return truncated + "\n".join(lines)
 
     def to_chrome_trace(self, process_name: str | None = None) -> dict[str, Any]:
         """The Chrome trace-event JSON object (Perfetto and chrome://tracing read it):
@@ -157,15 +146,12 @@ class Trace:
         tracks: dict[tuple[int, int], int] = {}
         for span in sorted(spans, key=lambda span: (span.ubatch_id, span.start_s)):
             tracks.setdefault((span.ubatch_id, span.thread_id), len(tracks) + 1)
-        seen: dict[int, int] = {}
-        for (ubatch_id, _), tid in tracks.items():
-            label = "caller" if ubatch_id == CALLER else f"ubatch {ubatch_id}"
-            seen[ubatch_id] = seen.get(ubatch_id, 0) + 1
-            if seen[ubatch_id] > 1:  # concurrent overlaps: another thread in this role
-                label += f" ({seen[ubatch_id]})"
-            events.append(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}}
-            )
+        roles = [ubatch_id for ubatch_id, _ in tracks]
+        for index, ubatch_id in enumerate(roles):
+            nth = roles[: index + 1].count(ubatch_id)  # concurrent overlaps: more per role
+            label = _label(ubatch_id) + (f" ({nth})" if nth > 1 else "")
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": index + 1,
+                           "args": {"name": label}})
         for span in spans:
             events.append({
                 "ph": "X", "name": span.name, "cat": "dbo", "pid": pid,
@@ -181,54 +167,64 @@ class Trace:
             json.dump(self.to_chrome_trace(process_name), file)
 
     def plot(self, path: str | os.PathLike[str], title: str | None = None) -> None:
-        """Draw the timeline to an image file (PNG by its suffix): one lane per ubatch and
-        one for the caller, baton turns and collective waits in their own colours, time in
-        ms from the trace's start. Needs matplotlib (`pip install dbo[plot]`); draws
-        off-screen (Agg), from any thread."""
+        """Draw the timeline to an image file (PNG by the suffix): one lane per ubatch and
+        one for the caller, calls, baton turns and collective waits in colours of their
+        own, ms from the trace's start on the x axis. Needs matplotlib (ImportError naming
+        the `plot` extra); draws off-screen, from any thread, without pyplot."""
         try:
             from matplotlib.figure import Figure
-            from matplotlib.patches import Patch
         except ImportError as error:
-            raise ImportError(
-                "Trace.plot needs matplotlib: pip install 'dbo[plot]' (or pip install "
-                "matplotlib)"
-            ) from error
+            raise ImportError("Trace.plot needs matplotlib: pip install 'dbo[plot]'") from error
         spans = self._snapshot()
         lanes = sorted({span.ubatch_id for span in spans} | {CALLER}, reverse=True)
-        row = {ubatch_id: index for index, ubatch_id in enumerate(lanes)}
-        colours = {"call": "#c7c7c7", "baton": "#1f77b4", "wait": "#d62728"}
-        figure = Figure(figsize=(12, 0.6 * len(lanes) + 1.2), layout="constrained")
+        figure = Figure(figsize=(12, 0.5 * len(lanes) + 1.4), layout="constrained")
         axes = figure.add_subplot()
-        for kind, height in (("call", 0.8), ("baton", 0.6), ("wait", 0.35)):  # waits on top
-            for span in spans:
-                if span.name.split(" ")[0].replace("dbo.overlap", "call") != kind:
-                    continue
-                axes.broken_barh(
-                    [((span.start_s - self.start_s) * 1e3, span.duration_s * 1e3)],
-                    (row[span.ubatch_id] - height / 2, height), color=colours[kind],
-                )
-        axes.set_yticks(range(len(lanes)), [
-            "caller" if ubatch_id == CALLER else f"ubatch {ubatch_id}" for ubatch_id in lanes
-        ])
+        for prefix, label, colour, height in _PLOT_KINDS:  # waits last: on top of turns
+            for row, ubatch_id in enumerate(lanes):
+                bars = [((span.start_s - self.start_s) * 1e3, span.duration_s * 1e3)
+                        for span in spans
+                        if span.ubatch_id == ubatch_id and span.name.startswith(prefix)]
+                axes.broken_barh(bars, (row - height / 2, height), color=colour,
+                                 label=label if row == 0 else None)
+        axes.set_yticks(range(len(lanes)), [_label(ubatch_id) for ubatch_id in lanes])
         axes.set_xlabel("ms since the trace started (host clock)")
-        axes.set_title(title or "dbo.trace() timeline")
-        axes.legend(handles=[
-            Patch(color=colours["call"], label="dbo.overlap call"),
-            Patch(color=colours["baton"], label="baton turn (host work)"),
-            Patch(color=colours["wait"], label="blocked in a collective wait"),
-        ], loc="upper right", fontsize="small")
+        axes.set_title(title or "dbo.trace()", loc="left")
+        axes.legend(loc="lower right", bbox_to_anchor=(1, 1), ncols=3, frameon=False)
         figure.savefig(path, dpi=110)
 
 
-_active: Trace | None = None
-"""The trace being recorded, read by the baton and `comm` at every handoff and wait."""
+_PLOT_KINDS = (  # span name prefix, legend, colour, bar height
+    ("dbo.overlap", "dbo.overlap call", "#c7c7c7", 0.8),
+    ("baton", "baton turn (host work)", "#1f77b4", 0.6),
+    ("wait ", "blocked in a collective wait", "#d62728", 0.35),
+)
+
+
+def _label(ubatch_id: int) -> str:
+    return "caller" if ubatch_id == CALLER else f"ubatch {ubatch_id}"
+
+
+def begin_range(track: int, what: str) -> Any:
+    """Begin a `torch.profiler` range (`record_function`) named `dbo/ubatch{track}/{what}`
+    (`dbo/caller/...` for `CALLER`) on this thread; `end_range` ends it on the same thread.
+    Callers check `torch.autograd.profiler._is_profiler_enabled` first."""
+    label = "caller" if track == CALLER else f"ubatch{track}"
+    return torch.ops.profiler._record_function_enter_new(f"dbo/{label}/{what}", None)
+
+
+def end_range(handle: Any) -> None:
+    """End a `begin_range` range (None: none was begun)."""
+    if handle is not None:
+        torch.ops.profiler._record_function_exit._RecordFunction(handle)
+
+
+_active: Trace | None = None  # read by the baton and `comm` at every handoff and wait
 _lock = threading.Lock()
 
 
 def reset_after_fork() -> None:
     """In a forked child: new locks (another thread may have held them at the fork), and
-    the parent's trace ended, so that the child records nothing into it and may start
-    its own."""
+    the parent's trace ended: the child records nothing into it and may start its own."""
     global _lock, _active
     _lock = threading.Lock()
     if _active is not None:
@@ -245,11 +241,8 @@ def active() -> Trace | None:
 @contextmanager
 def trace(max_spans: int = DEFAULT_MAX_SPANS) -> Iterator[Trace]:
     """Record the timeline of every overlap (and `comm` wait) in this process during the
-    block; yields the `Trace`, complete once the block exits.
-
-    One trace at a time: starting a second while one is active raises RuntimeError.
-    Past `max_spans` spans, further ones are counted in `Trace.dropped`, not kept.
-    """
+    block; yields the `Trace`, complete once the block exits. One trace at a time (a
+    second raises RuntimeError); spans past `max_spans` are counted in `Trace.dropped`."""
     global _active
     recording = Trace(max_spans)
     with _lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -331,3 +332,60 @@ def test_a_revoked_job_that_held_the_baton_records_no_turn() -> None:
         baton.finish(1)
         assert baton.wait_done(TIMEOUT_S)
     assert [span for span in timeline.spans if span.name == "baton"] == []
+
+
+# ------------------------------------------------------------------ picture and profiler
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_writes_a_png_of_the_timeline(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    with dbo.trace() as timeline:
+        _yielding(3)(torch.zeros(4))
+    path = tmp_path / "timeline.png"
+    timeline.plot(path, title="two ubatches")
+    data = path.read_bytes()
+    assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
+
+
+def test_plot_without_matplotlib_names_the_extra_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with dbo.trace() as timeline:
+        _yielding(1)(torch.zeros(4))
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: ImportError
+    with pytest.raises(ImportError, match=r"pip install 'dbo\[plot\]'"):
+        timeline.plot(tmp_path / "timeline.png")
+    assert not (tmp_path / "timeline.png").exists()
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C._profiler, "_ExperimentalConfig"), reason="no experimental config"
+)
+def test_a_torch_profile_shows_each_turn_and_wait_as_a_range_named_after_its_ubatch(
+    world_of_one: None,
+) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        dbo.yield_()
+        comm.all_reduce(x)
+        return x
+
+    step = dbo.overlap(body, timeout_s=TIMEOUT_S)
+    step(torch.ones(4))  # warm: the runner's threads exist before the profiler starts
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with (
+        profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof,
+        dbo.trace() as timeline,
+    ):
+        step(torch.ones(4))
+        comm.all_reduce(torch.ones(2))
+    names = [event.name for event in prof.events() if event.name.startswith("dbo/")]
+    totals = timeline.totals()
+    for ubatch_id in (0, 1):  # one range per turn the trace saw (the yields and the wait's)
+        assert totals[ubatch_id].turns >= 2
+        assert names.count(f"dbo/ubatch{ubatch_id}/turn") == totals[ubatch_id].turns, names
+        assert names.count(f"dbo/ubatch{ubatch_id}/wait all_reduce") == 1, names
+    assert names.count("dbo/caller/wait all_reduce") == 1, names
