@@ -9,7 +9,7 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
@@ -189,8 +189,8 @@ def overlap(
         split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`; the batch
             size is then the largest dim 0 (ragged inputs).
         merge: `merge([out_0, out_1, ...]) -> out`.
-        no_split: names of keyword arguments and indices of positional ones passed whole
-            to every ubatch (`position_ids` of shape [1, S], a rotary cache); ValueError for
+        no_split: names and indices of positional arguments passed whole to every
+            ubatch (`position_ids` of shape [1, S], a rotary cache); ValueError for
             a name `fn` does not take (here) or an index past the call's arguments.
         min_batch_size: below this batch size, run inline (overlap loses on small batches).
         timeout_s: watchdog: a ubatch holding the baton longer than this raises
@@ -247,9 +247,10 @@ def overlap(
 
 
 def _wrapper(
-    target: Callable[..., Any], whole: tuple[frozenset[int], frozenset[str]], *, num_ubatches: int,
-    split: SplitFn | None, merge: MergeFn | None, min_batch_size: int | None,
-    timeout_s: float | None, device: torch.device | None, decision_group: Any,
+    target: Callable[..., Any], whole: tuple[frozenset[int], frozenset[str], int], *,
+    num_ubatches: int, split: SplitFn | None, merge: MergeFn | None,
+    min_batch_size: int | None, timeout_s: float | None, device: torch.device | None,
+    decision_group: Any,
 ) -> Callable[..., Any]:
     """The function `overlap` returns (its options checked)."""
 
@@ -257,8 +258,7 @@ def _wrapper(
         output = target(*args, **kwargs)  # a custom merge still shapes the result
         return output if merge is None else merge([output])
 
-    whole_indices, whole_names = whole
-    last_index = max(whole_indices, default=-1)
+    whole_indices, whole_names, last_index = whole
 
     def overlapped(*args: Any, **kwargs: Any) -> Any:
         if last_index >= len(args):
@@ -310,29 +310,34 @@ def _wrapper(
 
 def _whole_arguments(
     fn: Callable[..., Any], no_split: Sequence[Any]
-) -> tuple[frozenset[int], frozenset[str]]:
-    """`no_split`'s positions and keyword names, the names checked against `fn`'s."""
+) -> tuple[frozenset[int], frozenset[str], int]:
+    """`no_split`'s positions (a named parameter's too), names, and the largest index it
+    gives; the names checked against `fn`'s."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
-        params: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
+        params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
-        params = {}
+        params = []
+    named = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     for item in no_split:
         if not isinstance(item, str):
             if isinstance(item, bool) or not isinstance(item, int) or item < 0:
                 raise TypeError(f"no_split takes argument names and indices >= 0, got {item!r}")
-        elif params and (
-            item not in params or params[item].kind in (_VAR_POSITIONAL, _VAR_KEYWORD)
-        ):
+        elif named and item not in named:
+            name = getattr(target, "__qualname__", type(target).__name__)
             raise ValueError(
-                f"no_split names {item!r}, which is not a named parameter of {fn!r} (its "
-                f"parameters: {', '.join(params)}); for one it takes through **kwargs, "
-                "wrap it in a function that names it"
+                f"no_split names {item!r}, which is not a named parameter of {name} (those "
+                f"are {', '.join(named)}); for one it takes through **kwargs, wrap it in a "
+                "function that names it"
             )
-    indices = frozenset(item for item in no_split if isinstance(item, int))
-    return indices, frozenset(item for item in no_split if isinstance(item, str))
+    indices = {item for item in no_split if isinstance(item, int)}
+    last_index = max(indices, default=-1)
+    names = frozenset(item for item in no_split if isinstance(item, str))
+    indices |= {i for i, p in enumerate(params) if p.name in names and p.kind in _POSITIONAL}
+    return frozenset(indices), names, last_index
 
 
-_VAR_POSITIONAL, _VAR_KEYWORD = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _split(

@@ -118,8 +118,8 @@ def batch_size_of(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
         described = ", ".join(f"{path}: {x.size(0)}" for path, x in leaves)
         raise ValueError(
             "dbo.overlap splits every tensor argument along dim 0, but their dim-0 sizes "
-            f"differ ({described}); pass split= for ragged inputs, or pass the tensors "
-            "that must not be split inside a non-tensor wrapper"
+            f"differ ({described}); pass no_split= for arguments every ubatch takes whole "
+            "(position_ids [1, S]), or split= for ragged inputs"
         )
     return int(sizes.pop())
 

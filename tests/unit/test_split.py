@@ -401,3 +401,13 @@ def test_transformers_model_outputs_split_and_merge() -> None:
     assert torch.equal(out.router_logits[0], hidden[:, :1])
     (part, _), _ = dbo.default_split((out,), {}, 2)
     assert type(part[0]) is output_type and part[0].last_hidden_state.shape == (3, 2)
+
+
+def test_a_loss_and_a_transformers_cache_stop_the_merge_saying_what_to_do() -> None:
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    logits = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"output\['loss'\]: .*weight each ubatch's by its rows"):
+        dbo.default_merge([{"loss": logits.sum(), "logits": logits}] * 2)
+    caches = [{"cache": cache_utils.DynamicCache()} for _ in range(2)]
+    with pytest.raises(ValueError, match=r"output\['cache'\]: .*DynamicCache .*use_cache=False"):
+        dbo.default_merge(caches)

@@ -1,0 +1,140 @@
+"""`comm.moe.shard_experts` on tiny random Hugging Face MoE models, in a world of one rank.
+
+The sharded model equals the unsharded one (outputs and gradients, allclose), overlapped
+it equals the serial run of the same ubatch split (bitwise), and its outputs merge
+through the default merge. Two ranks: tests/distributed/test_hf_moe.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import comm
+import dbo
+
+transformers = pytest.importorskip("transformers")
+
+TIMEOUT_S = 30.0
+VOCAB = 64
+
+
+def tiny_moe(kind: str, num_experts: int = 4, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random-weight MoE causal LM of the given family (no hub access)."""
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, use_cache=False,
+    )
+    if kind == "mixtral":
+        config: Any = transformers.MixtralConfig(num_local_experts=num_experts, **common)
+        model_type: Any = transformers.MixtralForCausalLM
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            num_experts=num_experts, moe_intermediate_size=16,
+            shared_expert_intermediate_size=32, **common,
+        )
+        model_type = transformers.Qwen2MoeForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(
+            num_experts=num_experts, moe_intermediate_size=16, head_dim=8, **common
+        )
+        model_type = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    return model_type(config).eval()
+
+
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_sharded_model_equals_the_unsharded_one_with_its_gradients(
+    kind: str, world_of_one: None
+) -> None:
+    model = tiny_moe(kind)
+    reference = copy.deepcopy(model)
+    names = comm.moe.shard_experts(model)
+    assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(1))
+    got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, expected)
+    (got * got).sum().backward()
+    (expected * expected).sum().backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+
+
+def test_qwen2_moe_still_applies_its_gated_shared_expert(world_of_one: None) -> None:
+    model = tiny_moe("qwen2_moe")
+    comm.moe.shard_experts(model)
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        with_shared = block(hidden)
+        block.shared_expert_gate.weight.fill_(-1e4)  # sigmoid -> 0: the shared expert off
+        without = block(hidden)
+    assert not torch.allclose(with_shared, without)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_overlapped_sharded_model_equals_its_serial_ubatches_and_merges_its_output(
+    kind: str, world_of_one: None
+) -> None:
+    model = tiny_moe(kind)
+    comm.moe.shard_experts(model)
+    step = dbo.overlap(model, no_split=["position_ids"], timeout_s=TIMEOUT_S)
+    hooks = dbo.yield_between(model.model.layers)
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(6).unsqueeze(0)  # [1, S]: the same for every row
+    with torch.no_grad():
+        out = step(ids, position_ids=positions)
+        serial = [model(part, position_ids=positions) for part in ids.tensor_split(2)]
+    hooks.remove()
+    assert type(out).__name__ == "MoeCausalLMOutputWithPast"
+    assert torch.equal(out.logits, torch.cat([part.logits for part in serial]))
+
+
+def test_a_model_without_a_sparse_moe_block_is_refused_naming_its_class(
+    world_of_one: None,
+) -> None:
+    with pytest.raises(ValueError, match="no sparse MoE block in Sequential"):
+        comm.moe.shard_experts(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    model = tiny_moe("qwen3_moe")
+    comm.moe.shard_experts(model)
+    with pytest.raises(ValueError, match="no sparse MoE block in Qwen3MoeForCausalLM"):
+        comm.moe.shard_experts(model)  # sharded already
+
+
+def test_an_expert_count_the_group_does_not_divide_is_refused_before_any_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class GroupOfThree:
+        def size(self) -> int:
+            return 3
+
+    monkeypatch.setattr("comm._hf.resolve_group", lambda group: GroupOfThree())
+    model = tiny_moe("mixtral", num_experts=4)
+    before = {name: param.shape for name, param in model.named_parameters()}
+    with pytest.raises(ValueError, match="4 experts, which do not split evenly over the 3"):
+        comm.moe.shard_experts(model)
+    assert {name: param.shape for name, param in model.named_parameters()} == before
+
+
+def test_a_loss_and_a_cache_in_the_output_stop_the_merge_saying_what_to_do(
+    world_of_one: None,
+) -> None:
+    model = tiny_moe("qwen3_moe")
+    comm.moe.shard_experts(model)
+    step = dbo.overlap(model, timeout_s=TIMEOUT_S)
+    ids = torch.randint(0, VOCAB, (4, 6))
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"output\['loss'\].*compute it again from the"):
+            step(ids, labels=ids)
+        with pytest.raises(ValueError, match=r"aux_loss.*weight each ubatch's by its rows"):
+            step(ids, output_router_logits=True)
+        with pytest.raises(ValueError, match="DynamicCache.*pass use_cache=False"):
+            step(ids, use_cache=True)
