@@ -1,0 +1,311 @@
+"""Every benchmark and example in one run, summed up in one Markdown table of ratios.
+
+    .venv/bin/python benchmarks/run_all.py                 # the full run (make bench)
+    .venv/bin/python benchmarks/run_all.py --quick         # fewer rounds: a couple of minutes
+    .venv/bin/python benchmarks/run_all.py --only handoff,overlap --out DIR
+
+Each item runs as a subprocess with `--json` and a timeout; a progress line per item goes
+to stderr. Printed: the date, the machine and the command, then the table (what is
+compared, the ratio, what the ratio means and the goal where there is one), ready to
+paste into the README. Written into `--out` (default bench-out/): each item's output
+(`<item>.log`) and result (`<item>.json`), the table (`table.md`), and
+`overlap_efficiency.png`, the fraction of the hideable communication hidden against the
+segment size c = m, one line per ubatch count, the ideal marked. A failed item leaves a
+row saying so and makes the exit status 1; an example that is not there is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERLAP_SIZES_MS = (0.25, 1.0, 4.0)
+OVERLAP_UBATCHES = (2, 3, 4)
+Row = tuple[str, str, str]
+"""(what is compared, the ratio, what the ratio means / the goal)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    name: str
+    script: str  # relative to the repository root
+    full: tuple[str, ...]  # arguments of the full run, --json added
+    quick: tuple[str, ...]  # arguments of --quick
+    rows: Callable[[dict[str, Any]], list[Row]]
+
+
+def _workspace_rows(result: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            f"workspace `get_simultaneous` vs `torch.empty`, 3 {row['case']} tensors "
+            f"({row['device']})",
+            f"{row['workspace_us'] / row['empty_us']:.2f}",
+            "time per call over torch.empty's; < 1: cheaper than allocating (goal)",
+        )
+        for row in result["rows"]
+    ]
+
+
+def _handoff_rows(result: dict[str, Any]) -> list[Row]:
+    us = result["us_per_handoff"]
+    return [
+        ("baton handoff (`dbo.yield_`) vs a raw `_thread` lock ping-pong",
+         f"{us['dbo'] / us['raw_lock']:.2f}", "time per handoff over the lock's; goal <= 1"),
+        ("baton handoff vs a `threading.Event` ring", f"{us['dbo'] / us['event_ring']:.2f}",
+         "time per handoff over the Event ring's; < 1: faster than the naive handoff"),
+    ]
+
+
+def _wakeup_rows(result: dict[str, Any]) -> list[Row]:
+    if "skipped" in result:
+        return [("eventfd vs lock wake-ups", "skipped", result["skipped"])]
+    return [
+        (f"baton wake-ups, eventfd vs `_thread` lock: {row['call']}",
+         f"{row['eventfd_over_lock']:.2f}",
+         "time per call, eventfd (the Linux default) over locks; < 1: eventfd faster")
+        for row in result["rows"]
+        if row["call"] in ("identity", "100 handoffs")
+    ]
+
+
+def _overlap_rows(result: dict[str, Any]) -> list[Row]:
+    rows = []
+    for num_ubatches in OVERLAP_UBATCHES:
+        hidden = {
+            row["m_ms"]: row["hidden"] for row in result["rows"]
+            if row["num_ubatches"] == num_ubatches and row["c_nominal_ms"] == row["m_ms"]
+        }
+        rows.append((
+            f"overlap on an emulated link, {num_ubatches} ubatches, c = m = "
+            + " / ".join(f"{size:g}" for size in OVERLAP_SIZES_MS) + " ms",
+            " / ".join(f"{hidden[size]:.2f}" for size in OVERLAP_SIZES_MS),
+            "hidden fraction (serial - DBO) / (serial - ideal); 1 = all hideable comm hidden",
+        ))
+    return rows
+
+
+def _host_rows(result: dict[str, Any]) -> list[Row]:
+    return [
+        (f"host cost per call: {row['label']}", f"{row['ours_us'] / row['bare_us']:.2f}",
+         f"host time over the bare op's (1 = nothing added; {row['added_us']:+.1f} us per call)")
+        for row in result["rows"]
+    ]
+
+
+def _comm_rows(result: dict[str, Any]) -> list[Row]:
+    rows = []
+    for row in result["rows"]:
+        low, high = row.get("dbo/pipeline lo"), row.get("dbo/pipeline hi")
+        interval = f"95% CI {low:.2f}-{high:.2f}" if low is not None else "no CI under 6 rounds"
+        rows += [
+            (f"gloo all-to-all loop, {row['label']}: DBO vs the hand-written pipeline",
+             f"{row['dbo/pipeline']:.2f}",
+             f"DBO's step time over the pipeline's, same rounds; goal ~1 ({interval})"),
+            (f"gloo all-to-all loop, {row['label']}: DBO vs serial",
+             f"{row['serial'] / row['dbo']:.2f}x",
+             "speedup over the ubatches one after the other, blocking collectives"),
+        ]
+    return rows
+
+
+def _example_rows(name: str, goals: bool) -> Callable[[dict[str, Any]], list[Row]]:
+    def rows(result: dict[str, Any]) -> list[Row]:
+        blocked = result["blocked_split_ms"] / max(result["blocked_dbo_ms"], 1e-9)
+        return [
+            (f"{name}: DBO vs the same ubatches in turn", f"{result['speedup_vs_split']:.2f}x",
+             "speedup" + ("; goal >= 1.3x" if goals else "")),
+            (f"{name}: host blocked in collective waits, in turn / DBO", f"{blocked:.1f}x",
+             "communication hidden" + ("; goal >= 3x" if goals else "")),
+            (f"{name}: DBO vs the whole batch", f"{result['speedup']:.2f}x",
+             "speedup; small on a CPU (gloo's transfers share the cores)"),
+        ]
+
+    return rows
+
+
+def _example(name: str, script: str, steps: str, goals: bool = False) -> Item:
+    return Item(
+        name, script, ("--spawn", "2"), ("--spawn", "2", "--steps", steps),
+        _example_rows(f"`{script.split('/')[-1]}`", goals),
+    )
+
+
+_OVERLAP_CONFIGS = ",".join(
+    f"{size:g}:{size:g}:{u}" for u in OVERLAP_UBATCHES for size in OVERLAP_SIZES_MS
+)
+ITEMS = (
+    Item("workspace", "benchmarks/workspace_alloc.py", (), ("--rounds", "3", "--calls", "500"),
+         _workspace_rows),
+    Item("handoff", "benchmarks/handoff.py", (), ("--handoffs", "4000", "--rounds", "3"),
+         _handoff_rows),
+    Item("wakeup", "benchmarks/wakeup_kinds.py", (), ("--rounds", "3"), _wakeup_rows),
+    Item("overlap", "benchmarks/overlap_efficiency.py", ("--configs", _OVERLAP_CONFIGS),
+         ("--configs", _OVERLAP_CONFIGS, "--layers", "4", "--rounds", "5"), _overlap_rows),
+    Item("host", "benchmarks/host_overhead.py", (), ("--calls", "100", "--rounds", "7"),
+         _host_rows),
+    Item("comm", "benchmarks/comm_overlap.py", (),
+         ("--rounds", "6", "--layers", "8", "--configs", "1024:1.0"), _comm_rows),
+    _example("demo", "examples/moe_overlap.py", "5", goals=True),
+    _example("tp", "examples/tensor_parallel_mlp.py", "5"),
+    _example("hf", "examples/hf_moe.py", "5"),
+)
+"""The items in the order they run."""
+
+
+def _run(argv: list[str], timeout_s: float, log: Path) -> tuple[dict[str, Any] | None, str]:
+    """Run `argv` in its own process group (the examples' ranks die with it on a
+    timeout); (the JSON of its last stdout line or None, why there is none)."""
+    process = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        log.write_text(output)
+        return None, f"timed out after {timeout_s:g} s"
+    log.write_text(output)
+    if process.returncode != 0:
+        return None, f"failed (exit status {process.returncode})"
+    lines = output.strip().splitlines()
+    try:
+        return json.loads(lines[-1]), ""
+    except (IndexError, json.JSONDecodeError):
+        return None, "no JSON line at the end of its output"
+
+
+def plot_overlap(result: dict[str, Any], path: Path) -> str:
+    """Draw the hidden fraction against c = m, one line per ubatch count; returns what
+    was written (or why nothing was)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no overlap plot: matplotlib is missing (pip install -e '.[plot]')"
+    figure, axes = plt.subplots(figsize=(6.4, 4.0))
+    for num_ubatches in sorted({row["num_ubatches"] for row in result["rows"]}):
+        points = sorted(
+            (row["m_ms"], row["hidden"]) for row in result["rows"]
+            if row["num_ubatches"] == num_ubatches and row["c_nominal_ms"] == row["m_ms"]
+        )
+        axes.plot(*zip(*points), marker="o", label=f"{num_ubatches} ubatches")
+    axes.axhline(1.0, color="grey", linestyle="--", label="ideal: all hideable comm hidden")
+    axes.set_xscale("log")
+    axes.minorticks_off()
+    axes.set_xticks(OVERLAP_SIZES_MS, [f"{size:g}" for size in OVERLAP_SIZES_MS])
+    axes.set_ylim(min(0.0, axes.get_ylim()[0]), 1.15)
+    axes.set_xlabel("segment size c = m (ms of compute and of transfer per ubatch per layer)")
+    axes.set_ylabel("hidden fraction")
+    axes.set_title(f"DBO on an emulated link ({result['device']}, {result['layers']} layers)")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return f"overlap-efficiency curve: {path}"
+
+
+def machine() -> str:
+    """Cores, CPU model, OS, torch (and its GPU) and Python, in one line."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(
+                line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")
+            )
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    cores = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    usable_note = "" if usable == cores else f", {usable} usable"
+    return (
+        f"{cores} cores{usable_note} ({model}), {platform.system()} {platform.machine()}, "
+        f"torch {torch.__version__} ({gpu}), Python {platform.python_version()}"
+    )
+
+
+def _table(rows: list[Row]) -> str:
+    lines = ["| what | ratio | what the ratio means / goal |", "|---|---|---|"]
+    lines += [f"| {what} | {ratio} | {meaning} |" for what, ratio, meaning in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    names = [item.name for item in ITEMS]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    parser.add_argument(
+        "--only", metavar="NAMES", help=f"comma-separated items to run, of: {','.join(names)}"
+    )
+    parser.add_argument("--out", default="bench-out", help="output folder (default bench-out/)")
+    parser.add_argument(
+        "--timeout-s", type=float, help="limit per item (default 300 with --quick, else 1800)"
+    )
+    args = parser.parse_args(argv)
+    chosen = names if args.only is None else args.only.split(",")
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        parser.error(f"unknown items {unknown}; choose from {','.join(names)}")
+    timeout_s = args.timeout_s or (300.0 if args.quick else 1800.0)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    rows: list[Row] = []
+    notes, failed = [], False
+    selected = [item for item in ITEMS if item.name in chosen]
+    for index, item in enumerate(selected, 1):
+        progress = f"[{index}/{len(selected)}] {item.name}: {item.script}"
+        if not (ROOT / item.script).exists():
+            print(f"{progress} is not there: skipped", file=sys.stderr)
+            rows.append((f"`{item.script}`", "skipped", "the script is not in this checkout"))
+            continue
+        extra = ("--out", str(out / item.name)) if item.script.startswith("examples/") else ()
+        command = [sys.executable, item.script, *(item.quick if args.quick else item.full),
+                   *extra, "--json"]
+        print(f"{progress} ...", file=sys.stderr, flush=True)
+        begin = time.monotonic()
+        result, why = _run(command, timeout_s, out / f"{item.name}.log")
+        print(f"{progress} {why or 'done'} in {time.monotonic() - begin:.0f} s",
+              file=sys.stderr, flush=True)
+        if result is None:
+            failed = True
+            rows.append((f"`{item.script}`", "failed", f"{why}; see {out / item.name}.log"))
+            continue
+        (out / f"{item.name}.json").write_text(json.dumps(result, indent=1))
+        rows += item.rows(result)
+        if item.name == "overlap":
+            notes.append(plot_overlap(result, out / "overlap_efficiency.png"))
+    header = [
+        f"Date: {started:%Y-%m-%d %H:%M} UTC",
+        f"Machine: {machine()}",
+        f"Command: `{shlex.join(['python', 'benchmarks/run_all.py', *argv])}`",
+    ]
+    report = "\n".join(header) + "\n\n" + _table(rows) + "\n"
+    (out / "table.md").write_text(report)
+    print(report)
+    for note in [*notes, f"table, logs and JSON results: {out}/"]:
+        print(note)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
