@@ -118,8 +118,7 @@ def _spawned_rank(
 
 def _rank(rank_main: RankMain, args: argparse.Namespace, backend: str | None) -> None:
     on_cuda = backend is None and torch.cuda.is_available()  # init_distributed's own choice
-    if not on_cuda:
-        pin_cpu_rank(pin=not args.no_pin)
+    args.pinned_cores = None if on_cuda else pin_cpu_rank(pin=not args.no_pin)
     try:
         comm.init_distributed(backend=backend, timeout_s=args.timeout_s)
     except comm.TorchrunEnvironmentError as error:
@@ -130,20 +129,23 @@ def _rank(rank_main: RankMain, args: argparse.Namespace, backend: str | None) ->
         comm.destroy_distributed()
 
 
-def pin_cpu_rank(pin: bool = True) -> None:
+def pin_cpu_rank(pin: bool = True) -> list[int] | None:
     """Give this CPU rank cores of its own: an equal slice of the process's cores by
     LOCAL_RANK when there are at least LOCAL_WORLD_SIZE of them (unless `pin` is False),
-    and as many intra-op threads as that slice has. Call before any thread starts: the
-    threads started later inherit the cores."""
+    and as many intra-op threads as that slice has; returns the cores it pinned to (None:
+    not pinned). Call before any thread starts: threads started later inherit the cores."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     per_rank = len(cores) // local_world_size
     if per_rank < 1:
-        return  # fewer cores than ranks: leave the OS to share them
-    if pin:
-        os.sched_setaffinity(0, cores[local_rank * per_rank:(local_rank + 1) * per_rank])
+        return None  # fewer cores than ranks: leave the OS to share them
     torch.set_num_threads(per_rank)
+    if not pin:
+        return None
+    mine = cores[local_rank * per_rank:(local_rank + 1) * per_rank]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 # ---------------------------------------------------------------------- comparing the modes
@@ -197,6 +199,7 @@ def compare(
         if key not in facts:
             raise KeyError(f"compare() needs facts[{key!r}]")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    pinned = getattr(args, "pinned_cores", None)  # set by launch()
     modes = {"whole": whole, "split": split, "dbo": overlapped}
     with torch.inference_mode():
         reference, in_turn, result = whole(), split(), overlapped()
@@ -221,6 +224,7 @@ def compare(
     medians = {name: statistics.median(values) for name, values in per_mode.items()}
     summary = {
         "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
+        "pinned_cores_per_rank": len(pinned) if pinned else None,
         "num_ubatches": facts["num_ubatches"], "tokens": facts["tokens"],
         "steps": args.steps,
         "serial_ms": medians["whole"], "split_ms": medians["split"], "dbo_ms": medians["dbo"],
@@ -263,6 +267,12 @@ def _report(
 ) -> None:
     facts = {key: value for key, value in summary.items() if key not in _RESULT_KEYS}
     print(f"{title}: " + ", ".join(f"{key} {value}" for key, value in facts.items()))
+    cores = summary["pinned_cores_per_rank"]
+    placement = f", each rank pinned to {cores} core(s) of its own" if cores else ""
+    print(
+        f"  world: {summary['world_size']} ranks, {summary['backend']} on {summary['device']}"
+        f"{placement}"
+    )
     print(f"  DBO == the same ubatches in turn (bitwise): {summary['bitwise_equal']}")
     print(
         f"  DBO ~= the whole batch (allclose):          {summary['allclose_vs_unsplit']} "
@@ -290,10 +300,11 @@ def _report(
         print(json.dumps(summary))
 
 
-_RESULT_KEYS = {
-    "steps", "serial_ms", "split_ms", "dbo_ms", "speedup", "speedup_vs_split",
-    "blocked_serial_ms", "blocked_split_ms", "blocked_dbo_ms", "bitwise_equal",
-    "allclose_vs_unsplit", "max_abs_diff_vs_unsplit",
+_RESULT_KEYS = {  # the --json keys that are results, not facts of the run
+    "world_size", "backend", "device", "pinned_cores_per_rank", "steps", "serial_ms",
+    "split_ms", "dbo_ms", "speedup", "speedup_vs_split", "blocked_serial_ms",
+    "blocked_split_ms", "blocked_dbo_ms", "bitwise_equal", "allclose_vs_unsplit",
+    "max_abs_diff_vs_unsplit",
 }
 
 

@@ -13,10 +13,14 @@ the top-k experts of every token, `comm.moe.dispatch` sends the tokens to the ra
 own those experts, each rank runs its experts, `comm.moe.combine` brings the outputs back
 weighted. The forward is plain model code: `dbo.overlap(model)` splits the batch into
 two ubatches and, while one ubatch's dispatch/combine is in flight, runs the other's
-compute. The script checks that the overlapped output equals the serial one (bitwise
-for the same ubatch split, allclose for the whole batch), prints the step times, and,
-from a `dbo.trace()` of a few steps, how long the host sat blocked in collective waits
-(`--trace-dir DIR` saves each rank's timeline for Perfetto / chrome://tracing).
+compute.
+
+It prints the checks (DBO bitwise equal to the same ubatches run in turn, allclose to the
+whole batch), the median step time of the three modes with its spread, and the host time
+blocked in collective waits (from `dbo.trace()`): the communication the overlap did not
+hide. Each rank's Chrome trace (ui.perfetto.dev) and PNG timeline go to --out
+(dbo-demo/); --json ends the output with one JSON line of the results. On CPU each rank
+keeps a core of its own (--no-pin: share them all).
 """
 
 from __future__ import annotations
