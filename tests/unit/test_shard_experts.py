@@ -8,7 +8,8 @@ through the default merge. Two ranks: tests/distributed/test_hf_moe.py.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,34 +17,18 @@ import torch
 import comm
 import dbo
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from hf_moe import build_model  # noqa: E402 - the example's builder
 
 TIMEOUT_S = 30.0
 VOCAB = 64
 
 
-def tiny_moe(kind: str, num_experts: int = 4, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random-weight MoE causal LM of the given family (no hub access)."""
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, use_cache=False,
-    )
-    if kind == "mixtral":
-        config: Any = transformers.MixtralConfig(num_local_experts=num_experts, **common)
-        model_type: Any = transformers.MixtralForCausalLM
-    elif kind == "qwen2_moe":
-        config = transformers.Qwen2MoeConfig(
-            num_experts=num_experts, moe_intermediate_size=16,
-            shared_expert_intermediate_size=32, **common,
-        )
-        model_type = transformers.Qwen2MoeForCausalLM
-    else:
-        config = transformers.Qwen3MoeConfig(
-            num_experts=num_experts, moe_intermediate_size=16, head_dim=8, **common
-        )
-        model_type = transformers.Qwen3MoeForCausalLM
-    torch.manual_seed(seed)
-    return model_type(config).eval()
+def tiny_moe(kind: str, num_experts: int = 4) -> torch.nn.Module:
+    """A 2-layer random-weight MoE causal LM of the family `kind` (no hub access)."""
+    return build_model(kind, layers=2, hidden=32, experts=num_experts, topk=2, vocab=VOCAB)
 
 
 KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
