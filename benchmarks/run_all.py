@@ -1,6 +1,6 @@
 """Every benchmark and example in one run, summed up in one Markdown table of ratios.
 
-    .venv/bin/python benchmarks/run_all.py                 # the full run (make bench)
+    .venv/bin/python benchmarks/run_all.py                 # the full run (make bench): minutes
     .venv/bin/python benchmarks/run_all.py --quick         # fewer rounds: a couple of minutes
     .venv/bin/python benchmarks/run_all.py --only handoff,overlap --out DIR
 
@@ -210,7 +210,8 @@ def plot_overlap(result: dict[str, Any], path: Path) -> str:
     axes.set_xscale("log")
     axes.minorticks_off()
     axes.set_xticks(OVERLAP_SIZES_MS, [f"{size:g}" for size in OVERLAP_SIZES_MS])
-    axes.set_ylim(min(0.0, axes.get_ylim()[0]), 1.15)
+    low, high = axes.get_ylim()
+    axes.set_ylim(min(0.0, low), max(1.15, high))  # 0 and the ideal always in view
     axes.set_xlabel("segment size c = m (ms of compute and of transfer per ubatch per layer)")
     axes.set_ylabel("hidden fraction")
     axes.set_title(f"DBO on an emulated link ({result['device']}, {result['layers']} layers)")
