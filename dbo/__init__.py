@@ -39,42 +39,15 @@ from dbo.errors import OverlapTimeoutError, UBatchAbortedError
 from dbo.hooks import yield_between
 from dbo.overlap import close_default_runners, overlap
 from dbo.runner import RunnerState, UBatchRunner
-from dbo.split import (
-    TokenSplit,
-    balanced_token_split,
-    default_merge,
-    default_split,
-    merge_parts,
-)
+from dbo.split import default_merge, default_split, merge_parts
+from dbo.token_split import TokenSplit, balanced_token_split
 from dbo.tracing import Trace, trace
 
 __all__ = [
-    "OverlapTimeoutError",
-    "RunnerState",
-    "Trace",
-    "TokenSplit",
-    "UBatchAbortedError",
-    "UBatchRunner",
-    "at_ubatch_exit",
-    "balanced_token_split",
-    "close_default_runners",
-    "current_stream",
-    "current_ubatch_id",
-    "default_merge",
-    "default_split",
-    "enabled",
-    "maybe_run_recv_hook",
-    "merge_parts",
-    "num_ubatches",
-    "on_comm_stream",
-    "overlap",
-    "register_recv_hook",
-    "run_state",
-    "switch_to_comm",
-    "switch_to_compute",
-    "trace",
-    "yield_",
-    "yield_and_switch_to_comm",
-    "yield_and_switch_to_compute",
-    "yield_between",
+    "OverlapTimeoutError", "RunnerState", "Trace", "TokenSplit", "UBatchAbortedError",
+    "UBatchRunner", "at_ubatch_exit", "balanced_token_split", "close_default_runners",
+    "current_stream", "current_ubatch_id", "default_merge", "default_split", "enabled",
+    "maybe_run_recv_hook", "merge_parts", "num_ubatches", "on_comm_stream", "overlap",
+    "register_recv_hook", "run_state", "switch_to_comm", "switch_to_compute", "trace", "yield_",
+    "yield_and_switch_to_comm", "yield_and_switch_to_compute", "yield_between",
 ]

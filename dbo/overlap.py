@@ -9,7 +9,7 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
@@ -19,22 +19,8 @@ from dbo import _affinity, _context, _thread_settings, tracing
 from dbo import runner as runner_module
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
-from dbo.runner import (
-    RunnerState,
-    UBatchRunner,
-    check_timeout,
-    describe_ubatch_input,
-    is_ubatch_input,
-)
-from dbo.split import (
-    UBatchInputs,
-    batch_size_of,
-    default_merge,
-    hold_out,
-    put_back,
-    split_parts,
-    splittable_leaves,
-)
+from dbo.runner import RunnerState, UBatchRunner, check_timeout
+from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,13 +32,9 @@ NoSplit = Sequence[str | int] | str | int
 """`no_split=`: argument names and positional indices (one, or a sequence of them)."""
 
 
-_MAX_IDLE_RUNNERS = 2
-"""Idle runners kept per key; more exist only while callers overlap."""
-_MAX_IDLE_RUNNERS_IN_ALL = 8
-"""Idle runners kept over all keys (callers pinned to many different cores)."""
-
-_PoolKey = tuple[int, "torch.device | None", "frozenset[int] | None"]
-"""(num_ubatches, device, the caller's CPUs)."""
+_MAX_IDLE_RUNNERS = 2  # per key; more exist only while callers overlap
+_MAX_IDLE_RUNNERS_IN_ALL = 8  # over all keys (callers pinned to many different cores)
+_PoolKey = tuple[int, "torch.device | None", "frozenset[int] | None"]  # the caller's CPUs last
 
 
 class _RunnerPool:
@@ -156,42 +138,34 @@ def overlap(
 
 
 def overlap(
-    fn: Callable[..., Any] | None = None,
-    *,
-    num_ubatches: int = 2,
-    split: SplitFn | None = None,
-    merge: MergeFn | None = None,
-    no_split: NoSplit = (),
-    min_batch_size: int | None = None,
-    timeout_s: float | None = None,
-    device: torch.device | str | int | None = None,
-    decision_group: Any = None,
+    fn: Callable[..., Any] | None = None, *, num_ubatches: int = 2,
+    split: SplitFn | None = None, merge: MergeFn | None = None, no_split: NoSplit = (),
+    min_batch_size: int | None = None, timeout_s: float | None = None,
+    device: torch.device | str | int | None = None, decision_group: Any = None,
 ) -> Any:
     """Wrap `fn` so that each call splits its batch into ubatches and overlaps them.
 
-    Usable as `dbo.overlap(model)`, `dbo.overlap(fn, num_ubatches=3)`, `@dbo.overlap` and
-    `@dbo.overlap(...)`; the wrapper has `fn`'s signature. A call splits the arguments
-    (`split`; default `dbo.default_split`: tensor leaves along dim 0), runs `fn` on part i
-    in ubatch thread i, passing the baton at yield points (threads, streams and errors:
-    `UBatchRunner.run`), and merges the outputs (`merge`; default `dbo.default_merge`:
-    concatenated along dim 0 in ubatch order; HF outputs and losses: see there).
+    `dbo.overlap(model)`, `dbo.overlap(fn, num_ubatches=3)`, `@dbo.overlap`, `@dbo.overlap(...)`;
+    the wrapper has `fn`'s signature. A call splits the arguments (`split`, default
+    `dbo.default_split`: tensor leaves along dim 0), runs `fn` on part i in ubatch thread
+    i, passing the baton at yield points (threads, streams, errors: `UBatchRunner.run`),
+    and merges the outputs (`merge`, default `dbo.default_merge`: along dim 0).
 
-    It runs `fn` once on the whole input in the calling thread instead (`dbo.enabled()`
-    False) when the batch is smaller than `num_ubatches` or `min_batch_size` or has no
-    tensor to split, inside a ubatch, and under a `torch.func` transform or a torch
-    function or dispatch mode (which ubatch threads cannot see; `torch.device` they
-    replay); with a custom `merge` it then returns `merge([output])`. `fn` runs under the
-    caller's grad mode; the split and merge keep the graph when `fn` turns grad on.
-    Wrap a bound method (`dbo.overlap(obj.method)`): a decorated method's `self` is split.
+    `fn` runs once on the whole input in the calling thread instead (`dbo.enabled()`
+    False; a custom `merge` gets `[output]`) when the batch is smaller than `num_ubatches`
+    or `min_batch_size` or has no tensor, inside a ubatch, and under a `torch.func`
+    transform or a torch function or dispatch mode, which ubatch threads do not see.
+    `fn` runs under the caller's grad mode; wrap a bound method, not the function (its
+    `self` would be split).
 
     Args:
         num_ubatches: ubatches per call, an int in [1, 1024].
         split: `split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`; the batch
             size is then the largest dim 0 (ragged inputs).
         merge: `merge([out_0, out_1, ...]) -> out`.
-        no_split: names and indices of positional arguments passed whole to every
-            ubatch (`position_ids` of shape [1, S], a rotary cache); ValueError for
-            a name `fn` does not take (here) or an index past the call's arguments.
+        no_split: names and indices of positional arguments passed whole to every ubatch
+            (`position_ids` of shape [1, S], a rotary cache); ValueError for a name `fn`
+            does not take (here) or an index past the call's arguments.
         min_batch_size: below this batch size, run inline (overlap loses on small batches).
         timeout_s: watchdog: a ubatch holding the baton longer than this raises
             `OverlapTimeoutError` naming it, with its stack. None: no watchdog.
@@ -204,13 +178,9 @@ def overlap(
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
-    if min_batch_size is not None and (
-        isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int)
-    ):
-        raise TypeError(f"min_batch_size must be an int or None, got {min_batch_size!r}")
-    if min_batch_size is not None and min_batch_size < 1:
-        raise ValueError(
-            f"min_batch_size must be >= 1 (or None: no minimum), got {min_batch_size}"
+    if min_batch_size is not None and (type(min_batch_size) is not int or min_batch_size < 1):
+        raise (ValueError if type(min_batch_size) is int else TypeError)(
+            f"min_batch_size must be >= 1 (an int, or None: no minimum), got {min_batch_size!r}"
         )
     for name, value in (("split", split), ("merge", merge)):
         if value is not None and not callable(value):
@@ -227,23 +197,19 @@ def overlap(
         return functools.partial(overlap, no_split=no_split, **options)
     if not callable(fn):
         raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
-    if (
-        inspect.iscoroutinefunction(fn)
-        or inspect.isasyncgenfunction(fn)
-        or inspect.isgeneratorfunction(fn)
-    ):
-        # Calling one returns a coroutine or generator without running its body.
+    if any(is_kind(fn) for is_kind in _NOT_PLAIN):  # a call would not run the body
         raise TypeError(
             f"dbo.overlap needs a plain function; {fn!r} is a coroutine or generator "
             "function, whose body would run after the overlap, not in its ubatches"
         )
     overlapped = _wrapper(fn, _whole_arguments(fn, no_split), **options)
-    if isinstance(fn, (functools.partial, torch.nn.Module)) or not hasattr(fn, "__name__"):
-        functools.update_wrapper(overlapped, fn, updated=())
-    else:
-        functools.update_wrapper(overlapped, fn)
+    plain = not isinstance(fn, (functools.partial, torch.nn.Module)) and hasattr(fn, "__name__")
+    functools.update_wrapper(overlapped, fn, updated=functools.WRAPPER_UPDATES if plain else ())
     overlapped.__wrapped__ = fn  # type: ignore[attr-defined]
     return overlapped
+
+
+_NOT_PLAIN = (inspect.iscoroutinefunction, inspect.isasyncgenfunction, inspect.isgeneratorfunction)
 
 
 def _wrapper(
@@ -320,10 +286,9 @@ def _whole_arguments(
         params = []
     named = [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     for item in no_split:
-        if not isinstance(item, str):
-            if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-                raise TypeError(f"no_split takes argument names and indices >= 0, got {item!r}")
-        elif named and item not in named:
+        if not isinstance(item, str) and (type(item) is not int or item < 0):
+            raise TypeError(f"no_split takes argument names and indices >= 0, got {item!r}")
+        if isinstance(item, str) and named and item not in named:
             name = getattr(target, "__qualname__", type(target).__name__)
             raise ValueError(
                 f"no_split names {item!r}, which is not a named parameter of {name} (those "
@@ -331,13 +296,33 @@ def _whole_arguments(
                 "function that names it"
             )
     indices = {item for item in no_split if isinstance(item, int)}
-    last_index = max(indices, default=-1)
     names = frozenset(item for item in no_split if isinstance(item, str))
-    indices |= {i for i, p in enumerate(params) if p.name in names and p.kind in _POSITIONAL}
-    return frozenset(indices), names, last_index
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named_at = {i for i, p in enumerate(params) if p.name in names and p.kind in positional}
+    return frozenset(indices | named_at), names, max(indices, default=-1)
 
 
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+def hold_out(
+    args: tuple[Any, ...], kwargs: dict[str, Any], indices: frozenset[int], names: frozenset[str]
+) -> tuple[tuple[Any, ...], dict[str, Any], dict[int | str, Any]]:
+    """The arguments without the `no_split` ones (None in their places), and those."""
+    held: dict[int | str, Any] = {i: args[i] for i in indices if i < len(args)}
+    held.update((name, kwargs[name]) for name in names if name in kwargs)
+    if not held:
+        return args, kwargs, held
+    rest = {key: value for key, value in kwargs.items() if key not in held}
+    return tuple(None if i in held else arg for i, arg in enumerate(args)), rest, held
+
+
+def put_back(parts: UBatchInputs, held: dict[int | str, Any]) -> UBatchInputs:
+    """Each ubatch's arguments with the `hold_out` ones back in their places."""
+    if not held:
+        return parts
+    named = {key: value for key, value in held.items() if isinstance(key, str)}
+    return [
+        (tuple(held.get(i, arg) for i, arg in enumerate(args)), {**kwargs, **named})
+        for args, kwargs in parts
+    ]
 
 
 def _split(
@@ -350,23 +335,23 @@ def _split(
 
 def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
     """What a custom `split=` returned, checked here so that the error names `split=`."""
-    try:
-        parts = list(parts)
-    except TypeError:
+    if not isinstance(parts, Iterable):
         raise TypeError(
             f"split= must return a list of {num_ubatches} (args_tuple, kwargs_dict) pairs, "
             f"got {type(parts).__name__}"
-        ) from None
+        )
+    parts = list(parts)
     if len(parts) != num_ubatches:
         raise ValueError(
             f"split= returned {len(parts)} parts for num_ubatches={num_ubatches}; it must "
             "return one (args_tuple, kwargs_dict) pair per ubatch"
         )
     for index, part in enumerate(parts):
-        if not is_ubatch_input(part):
+        if not runner_module.is_ubatch_input(part):
+            described = runner_module.describe_ubatch_input(part)
             raise TypeError(
-                f"split= returned {describe_ubatch_input(part)} as part {index}; each part must "
-                "be an (args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
+                f"split= returned {described} as part {index}; each part must be an "
+                "(args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
             )
     return parts
 
@@ -428,8 +413,7 @@ def _smallest_batch_across_ranks(
 
 
 def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
-    """The largest dim 0 of the leaves: a custom split's batch size (ragged inputs: per
-    request metadata next to the tokens, which are the largest)."""
+    """A custom split's batch size: the largest dim 0 (the tokens, in ragged inputs)."""
     return max((int(leaf.size(0)) for _, leaf in leaves), default=None)
 
 

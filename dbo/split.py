@@ -1,13 +1,10 @@
-"""Splitting a batch into ubatches and merging the ubatch outputs back.
+"""Splitting a batch into ubatches (`default_split`) and merging their outputs back
+(`default_merge`, `merge_parts`).
 
-Nested arguments and outputs are walked with `torch.utils._pytree`: its containers
-(tuple, list, dict, OrderedDict, defaultdict, deque, namedtuple, `torch.return_types`)
-and the types registered with it (transformers' `ModelOutput` registers itself; register
-a dataclass with `torch.utils._pytree.register_dataclass`). Anything else, `torch.Size`
-and strings included, is a leaf. Default split: every tensor leaf with `ndim >= 1` is
-split along dim 0 like `torch.tensor_split(x, num_ubatches, dim=0)`; other leaves go to
-every ubatch unchanged. Default merge: tensor leaves are concatenated along dim 0 in
-ubatch order. `merge_parts` skips the copy and returns the per-ubatch outputs.
+Arguments and outputs are walked with `torch.utils._pytree`: its containers (tuple,
+list, dict, namedtuple, ...) and the types registered with it (transformers'
+`ModelOutput`; a dataclass after `register_dataclass`); anything else, `torch.Size`
+included, is a leaf.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from dbo._checks import check_num_ubatches
-from dbo.token_split import TokenSplit, balanced_token_split  # noqa: F401 - dbo's API
 
 UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
@@ -50,12 +46,8 @@ def _splittable(leaf: Any) -> bool:
 def splittable_leaves(
     args: tuple[Any, ...], kwargs: dict[str, Any], *, check_leaves: bool = True
 ) -> list[tuple[str, torch.Tensor]]:
-    """(path, tensor) of every tensor leaf with ndim >= 1, args first.
-
-    With `check_leaves` (the default split's rule), a leaf that holds such tensors but
-    is of a type torch's pytree does not know raises ValueError: it would reach every
-    ubatch whole.
-    """
+    """(path, tensor) of every tensor leaf with ndim >= 1, args first. With `check_leaves`,
+    ValueError for a leaf of a type torch's pytree does not know holding such tensors."""
     found = []
     named = [(f"args[{i}]", arg) for i, arg in enumerate(args)]
     for root, value in named + [(f"kwargs[{key!r}]", v) for key, v in kwargs.items()]:
@@ -100,16 +92,9 @@ def _unregistered(leaf: Any, verb: str) -> str:
     )
 
 
-def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The common dim-0 size of the tensor leaves (ndim >= 1); None if there are none.
-
-    Raises ValueError naming the argument paths when the sizes differ.
-    """
-    return batch_size_of(splittable_leaves(args, kwargs))
-
-
 def batch_size_of(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
-    """`batch_size` of already collected `(path, tensor)` leaves."""
+    """The common dim-0 size of `splittable_leaves`, None if there are none; ValueError
+    naming the paths when the sizes differ."""
     if not leaves:
         return None
     # size(0), not shape[0]: a strided nested tensor has no `shape` but has a size(0).
@@ -127,17 +112,12 @@ def batch_size_of(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
 def default_split(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
 ) -> UBatchInputs:
-    """Split every tensor leaf (ndim >= 1) like `torch.tensor_split(x, num_ubatches)`.
-
-    Ubatch i gets views (no copy) of rows `[i * B // n + min(i, B % n) ...)` of each
-    tensor, exactly `torch.tensor_split`'s parts; 0-dim tensors and other leaves reach
-    every ubatch unchanged. An argument with no tensor to split reaches every ubatch as
-    the same object (what `fn` writes into it reaches the caller); one holding split
-    tensors is rebuilt per ubatch. Raises ValueError when dim-0 sizes differ or a leaf
-    of a type unknown to torch's pytree holds tensors.
-    """
+    """Split every tensor leaf with ndim >= 1 into views, as `torch.tensor_split(x,
+    num_ubatches)` does; 0-dim tensors and other leaves reach every ubatch unchanged, and
+    an argument with nothing to split as the same object. ValueError when dim-0 sizes
+    differ or a leaf of a type torch's pytree does not know holds tensors."""
     num_ubatches = check_num_ubatches(num_ubatches)
-    batch_size(args, kwargs)  # validates the leaves and that dim-0 sizes agree
+    batch_size_of(splittable_leaves(args, kwargs))  # checks the leaves and their sizes
     return split_parts(args, kwargs, num_ubatches)
 
 
@@ -148,9 +128,7 @@ def split_parts(
     try:
         arg_parts = [_split_argument(arg, num_ubatches) for arg in args]
         kwarg_parts = {key: _split_argument(value, num_ubatches) for key, value in kwargs.items()}
-    except (RuntimeError, NotImplementedError) as error:
-        # torch.tensor_split refuses sparse and nested tensors with errors that name
-        # neither the argument nor the way out.
+    except (RuntimeError, NotImplementedError) as error:  # torch's names neither path nor fix
         for path, leaf in splittable_leaves(args, kwargs, check_leaves=False):
             if leaf.is_nested or leaf.layout != torch.strided:
                 kind = "a nested" if leaf.is_nested else f"a {leaf.layout}"
@@ -163,30 +141,6 @@ def split_parts(
     return [
         (tuple(parts[i] for parts in arg_parts), {k: p[i] for k, p in kwarg_parts.items()})
         for i in range(num_ubatches)
-    ]
-
-
-def hold_out(
-    args: tuple[Any, ...], kwargs: dict[str, Any], indices: frozenset[int], names: frozenset[str]
-) -> tuple[tuple[Any, ...], dict[str, Any], dict[int | str, Any]]:
-    """The arguments without those passed whole (`no_split`: None in their positions),
-    and those, by position or name, for `put_back`."""
-    held: dict[int | str, Any] = {i: args[i] for i in indices if i < len(args)}
-    held.update((name, kwargs[name]) for name in names if name in kwargs)
-    if not held:
-        return args, kwargs, held
-    rest = {key: value for key, value in kwargs.items() if key not in held}
-    return tuple(None if i in held else arg for i, arg in enumerate(args)), rest, held
-
-
-def put_back(parts: UBatchInputs, held: dict[int | str, Any]) -> UBatchInputs:
-    """Each ubatch's arguments with the `hold_out` ones back in their places."""
-    if not held:
-        return parts
-    named = {key: value for key, value in held.items() if isinstance(key, str)}
-    return [
-        (tuple(held.get(i, arg) for i, arg in enumerate(args)), {**kwargs, **named})
-        for args, kwargs in parts
     ]
 
 
@@ -243,7 +197,7 @@ def default_merge(outputs: Sequence[Any]) -> Any:
 
 
 class _Unmergeable(Exception):
-    """Why one leaf does not merge (`_merged_columns` names the leaf)."""
+    """Why one leaf does not merge; `_merged_columns` adds its path."""
 
 
 def _merged_columns(columns: Iterable[Sequence[Any]], first: Any) -> list[Any]:
@@ -297,11 +251,7 @@ def _merged_leaf(values: list[Any]) -> Any:
 
 
 def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
-    """`torch.cat(parts)`, keeping the graph of parts that have one.
-
-    A caller in `no_grad` whose `fn` turned grad on gets parts with a graph, and the
-    merged result keeps it, as `fn`'s own output would.
-    """
+    """`torch.cat(parts)`, keeping the graph of parts that have one (`fn` turned grad on)."""
     try:
         if not torch.is_grad_enabled() and any(part.requires_grad for part in parts):
             with torch.enable_grad():
@@ -348,26 +298,19 @@ def _ordered_like(tree: Any, template: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if a is b:
+    """Equal, NaN floats and arrays (an elementwise `==`) included."""
+    if a is b or isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
         return True
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True  # a NaN loss or metric from every ubatch is one value
     try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - an elementwise == (numpy arrays), or none at all
-        pass
-    try:  # arrays of one type and shape: equal when every element is
-        if type(a) is type(b) and a.shape == b.shape:
-            return bool((a == b).all())
+        equal = a == b
+        if hasattr(equal, "all"):  # elementwise: arrays of one type and shape, all equal
+            return type(a) is type(b) and a.shape == b.shape and bool(equal.all())
+        return bool(equal)
     except Exception:  # noqa: BLE001 - not comparable: different
-        pass
-    return False
+        return False
 
 
 def merge_parts(outputs: Sequence[Any]) -> list[Any]:
-    """A merge that copies nothing: the list of per-ubatch outputs, in ubatch order.
-
-    Use it (`dbo.overlap(fn, merge=dbo.merge_parts)`) when the consumer can take the parts,
-    or when `fn` already wrote its rows into a shared output buffer.
-    """
+    """A merge that copies nothing: the per-ubatch outputs in ubatch order, for a consumer
+    that takes the parts or an `fn` that wrote its rows into a shared buffer."""
     return list(outputs)
