@@ -198,8 +198,7 @@ def compare(
     for key in ("tokens", "num_ubatches"):
         if key not in facts:
             raise KeyError(f"compare() needs facts[{key!r}]")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    pinned = getattr(args, "pinned_cores", None)  # set by launch()
+    rank = dist.get_rank()
     modes = {"whole": whole, "split": split, "dbo": overlapped}
     with torch.inference_mode():
         reference, in_turn, result = whole(), split(), overlapped()
@@ -215,16 +214,30 @@ def compare(
             blocked[name], timelines[name] = _blocked_ms(fn, device)
         with dbo.trace() as picture:  # one step: the alternation is readable
             _step_ms(overlapped, device)
-    files = _write_traces(args.out, rank, timelines["dbo"], picture)
+    files, plot_error = _write_traces(args.out, rank, timelines["dbo"], picture)
     # Per step and mode the slowest rank; the blocked time of the rank blocked longest.
     step_ms = _gather([t for name in modes for t in times[name]], device).max(dim=0).values
     per_mode = dict(zip(modes, step_ms.view(len(modes), args.steps).tolist(), strict=True))
     checks = _gather([float(bitwise), float(close), max_diff], device)
     blocked_max = _gather([blocked[name] for name in modes], device).max(dim=0).values.tolist()
+    summary = _summarize(per_mode, blocked_max, checks, args, device, facts)
+    if rank == 0:
+        _report(title, summary, per_mode, files, plot_error, args)
+    if not (summary["bitwise_equal"] and summary["allclose_vs_unsplit"]):
+        raise SystemExit("the overlapped forward does not match the serial one")
+    return summary
+
+
+def _summarize(
+    per_mode: dict[str, list[float]], blocked_max: list[float], checks: torch.Tensor,
+    args: argparse.Namespace, device: torch.device, facts: dict[str, Any],
+) -> dict[str, Any]:
+    """The --json object: the world, the medians and speedups, the blocked times, the checks."""
+    pinned = getattr(args, "pinned_cores", None)  # set by launch()
     medians = {name: statistics.median(values) for name, values in per_mode.items()}
-    summary = {
-        "world_size": world_size, "backend": dist.get_backend(), "device": device.type,
-        "pinned_cores_per_rank": len(pinned) if pinned else None,
+    return {
+        "world_size": dist.get_world_size(), "backend": dist.get_backend(),
+        "device": device.type, "pinned_cores_per_rank": len(pinned) if pinned else None,
         "num_ubatches": facts["num_ubatches"], "tokens": facts["tokens"],
         "steps": args.steps,
         "serial_ms": medians["whole"], "split_ms": medians["split"], "dbo_ms": medians["dbo"],
@@ -236,21 +249,23 @@ def compare(
         "max_abs_diff_vs_unsplit": checks[:, 2].max().item(),
         **facts,
     }
-    if rank == 0:
-        _report(title, summary, per_mode, files, args)
-    if not (summary["bitwise_equal"] and summary["allclose_vs_unsplit"]):
-        raise SystemExit("the overlapped forward does not match the serial one")
-    return summary
 
 
-def _write_traces(out: str, rank: int, timeline: dbo.Trace, picture: dbo.Trace) -> list[str]:
-    """This rank's Chrome trace of the traced DBO steps and a PNG of one step; the paths
-    rank 0 names (every rank's, by the same pattern)."""
+def _write_traces(
+    out: str, rank: int, timeline: dbo.Trace, picture: dbo.Trace
+) -> tuple[list[str], str]:
+    """This rank's Chrome trace of the traced DBO steps and a PNG of one step. Returns the
+    paths rank 0 names (every rank's, by the same pattern: traces, then PNGs) and, where
+    matplotlib is missing, why there are no PNGs (the checks and the table go on)."""
     os.makedirs(out, exist_ok=True)
     timeline.save(os.path.join(out, f"dbo_rank{rank}.json"), f"rank {rank}")
-    picture.plot(os.path.join(out, f"dbo_rank{rank}.png"), title=f"one DBO step, rank {rank}")
     ranks = range(dist.get_world_size())
-    return [os.path.join(out, f"dbo_rank{r}.{ext}") for ext in ("json", "png") for r in ranks]
+    files = [os.path.join(out, f"dbo_rank{r}.json") for r in ranks]
+    try:
+        picture.plot(os.path.join(out, f"dbo_rank{rank}.png"), f"one DBO step, rank {rank}")
+    except ImportError as error:
+        return files, str(error)
+    return files + [os.path.join(out, f"dbo_rank{r}.png") for r in ranks], ""
 
 
 def _spread(values: list[float]) -> str:
@@ -263,7 +278,7 @@ def _spread(values: list[float]) -> str:
 
 def _report(
     title: str, summary: dict[str, Any], per_mode: dict[str, list[float]], files: list[str],
-    args: argparse.Namespace,
+    plot_error: str, args: argparse.Namespace,
 ) -> None:
     facts = {key: value for key, value in summary.items() if key not in _RESULT_KEYS}
     print(f"{title}: " + ", ".join(f"{key} {value}" for key, value in facts.items()))
@@ -294,8 +309,10 @@ def _report(
         f"{summary['speedup']:.2f}x over the whole batch"
     )
     print("  " + _interpretation(summary))
-    print(f"  traces (ui.perfetto.dev or chrome://tracing): {', '.join(files[: len(files) // 2])}")
-    print(f"  timelines (PNG): {', '.join(files[len(files) // 2:])}")
+    traces = [path for path in files if path.endswith(".json")]
+    pictures = [path for path in files if path.endswith(".png")]
+    print(f"  traces (ui.perfetto.dev or chrome://tracing): {', '.join(traces)}")
+    print(f"  timelines (PNG): {', '.join(pictures) or 'not drawn: ' + plot_error}")
     if args.json:
         print(json.dumps(summary))
 
