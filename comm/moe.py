@@ -6,19 +6,18 @@
     y = comm.moe.combine(expert_out, handle, topk_weights)
 
 Rank r owns experts `[r * E_local, (r + 1) * E_local)`; each (token, k) pair is one row
-on the wire; counts are exchanged first, so uneven loads and empty ranks work. Inside an
-overlap the all-to-alls yield while in flight (`dispatch` twice, `combine` once);
-outside they block. Results are bitwise those of the same calls made serially.
+on the wire; counts go first, so uneven loads and empty ranks work. Inside an overlap
+the all-to-alls yield while in flight (`dispatch` twice, `combine` once); outside they
+block. Results are bitwise those of the same calls made serially. `shard_experts(model)`
+does all this for a Hugging Face MoE model.
 
-Backward: the gradient takes the same all-to-all back, and every rank must run those
-collectives in the same order, which autograd does not give for graphs recorded in
-several threads. So each differentiable exchange takes zero-element *order tokens* and
-returns one, and its backward runs before those of the exchanges whose tokens it took:
-`combine` takes `dispatch`'s (so its backward exists wherever `dispatch`'s does), and
-inside an overlap each exchange takes the run's latest (`dbo.run_state()`) and publishes
-its own before it yields: one chain in launch order, the same on every rank. When only
-the experts train, `combine` in grad mode first all-reduces whether any rank's
-`expert_out` requires grad. Inference builds no tokens; gradients are first order.
+Backward takes the same all-to-alls back, in one order on every rank, which autograd
+does not give for graphs recorded in several threads. So each differentiable exchange
+takes zero-element *order tokens* and returns one, and its backward runs before those
+of the exchanges whose tokens it took: `combine` takes `dispatch`'s, and inside an
+overlap each exchange takes the run's latest (`dbo.run_state()`) and publishes its own
+before it yields. When only the experts train, `combine` in grad mode first all-reduces
+whether any rank's `expert_out` requires grad. Gradients are first order.
 """
 
 from __future__ import annotations
@@ -39,10 +38,8 @@ __all__ = ["DispatchHandle", "combine", "dispatch", "shard_experts"]
 
 @dataclass(frozen=True)
 class DispatchHandle:
-    """What `combine` needs to route expert outputs back; returned by `dispatch`.
-
-    Valid for one `combine` on the same ranks (the same ubatch, inside an overlap).
-    """
+    """What `combine` needs to route the outputs back: valid for one `combine` on the
+    same ranks (the same ubatch, inside an overlap)."""
 
     group: dist.ProcessGroup  # the base group the tokens were dispatched over
     num_tokens: int  # T: rows of dispatch's `x`
@@ -62,14 +59,12 @@ class DispatchHandle:
 
     @property
     def num_recv_tokens(self) -> int:
-        """Rows of `recv_x` (and of the `expert_out` that `combine` expects)."""
+        """Rows of `recv_x`, and of the `expert_out` that `combine` expects."""
         return sum(self.recv_splits)
 
 
 def dispatch(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    num_experts: int,
+    x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
     """Send each token to the ranks that own its top-k experts.
@@ -87,9 +82,8 @@ def dispatch(
 
     Inside an overlap the all-to-alls run on the ubatch's comm stream; the results are
     ready on its compute stream on return. On CUDA the split sizes are read on the host
-    (two synchronizations). Raises TypeError / ValueError before any communication for a
-    bad shape, dtype, device, `num_experts` or expert id (the other ranks then wait
-    until the group's timeout).
+    (two synchronizations). TypeError / ValueError before any communication for a bad
+    shape, dtype, device, `num_experts` or expert id (the others wait for the timeout).
     """
     base = resolve_group(group)
     world_size = base.size()
@@ -115,19 +109,11 @@ def dispatch(
     recv_x, order_token = _exchange_rows(send_rows, tuple(recv_splits), tuple(send_splits), base)
     recv_local_expert_ids = torch.repeat_interleave(
         torch.arange(num_local_experts, device=x.device).repeat(world_size),
-        recv_counts.view(-1),
-        output_size=recv_x.shape[0],
+        recv_counts.view(-1), output_size=recv_x.shape[0],
     )
     handle = DispatchHandle(
-        group=base,
-        num_tokens=num_tokens,
-        topk=topk,
-        num_local_experts=num_local_experts,
-        sort_order=sort_order,
-        send_splits=tuple(send_splits),
-        recv_splits=tuple(recv_splits),
-        num_recv_tokens_per_expert=recv_counts_host,
-        order_token=order_token,
+        base, num_tokens, topk, num_local_experts, sort_order, tuple(send_splits),
+        tuple(recv_splits), recv_counts_host, order_token,
     )
     return recv_x, recv_local_expert_ids, handle
 
@@ -140,12 +126,8 @@ def _check_dispatch(
     num_experts = _check_num_experts(num_experts, world_size)
     if x.ndim != 2:
         raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or (
-        topk_ids.dtype == torch.bool
-    ):
-        raise TypeError(
-            f"topk_ids must be an integer tensor (e.g. torch.int64), got {topk_ids.dtype}"
-        )
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor (torch.int64), got {topk_ids.dtype}")
     if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
         raise ValueError(
             f"topk_ids must be [num_tokens, k] with num_tokens = x.shape[0] = {x.shape[0]} "
@@ -258,35 +240,24 @@ def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.
 
 
 def _exchange_rows(
-    rows: torch.Tensor,
-    output_splits: tuple[int, ...],
-    input_splits: tuple[int, ...],
-    group: dist.ProcessGroup,
-    anchor: torch.Tensor | None = None,
+    rows: torch.Tensor, output_splits: tuple[int, ...], input_splits: tuple[int, ...],
+    group: dist.ProcessGroup, anchor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`.
-
-    Differentiable (`_ExchangeRows`) when grad mode is on and `rows`, `anchor` or the
-    run's latest token requires grad; else a plain all-to-all and no token. Inside an
-    overlap the token becomes the run's latest before the exchange yields.
-    """
+    """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`. Through
+    `_ExchangeRows` when grad mode is on and `rows`, `anchor` or the run's latest token
+    requires grad (inside an overlap its token becomes the run's latest before it
+    yields); else a plain all-to-all and no token."""
     if not torch.is_grad_enabled():
         return _send_rows(rows, output_splits, input_splits, group)[0], None
     state = dbo.run_state()
-    tokens: tuple[torch.Tensor, ...] = ()
-    if state is not None:
-        latest = state.get(_ORDER_TOKEN_KEY)
-        if latest is not None:
-            tokens = (latest,)
+    latest = None if state is None else state.get(_ORDER_TOKEN_KEY)
+    tokens: tuple[torch.Tensor, ...] = () if latest is None else (latest,)
     if anchor is not None and anchor.requires_grad and not any(t is anchor for t in tokens):
         tokens = (*tokens, anchor)
     if not (rows.requires_grad or tokens):
         return _send_rows(rows, output_splits, input_splits, group)[0], None
     if state is None:
-        received, token = _ExchangeRows.apply(
-            rows, output_splits, input_splits, group, None, *tokens
-        )
-        return received, token
+        return _ExchangeRows.apply(rows, output_splits, input_splits, group, None, *tokens)
     # Launch, publish the token, then yield and wait: the chain follows the launch order.
     pending: list[CollectiveWork] = []
     received, token = _ExchangeRows.apply(
@@ -298,21 +269,14 @@ def _exchange_rows(
 
 
 def _send_rows(
-    rows: torch.Tensor,
-    output_splits: tuple[int, ...],
-    input_splits: tuple[int, ...],
-    group: dist.ProcessGroup,
-    async_op: bool = False,
+    rows: torch.Tensor, output_splits: tuple[int, ...], input_splits: tuple[int, ...],
+    group: dist.ProcessGroup, async_op: bool = False,
 ) -> tuple[torch.Tensor, CollectiveWork | None]:
     """The row all-to-all: `rows` out by `input_splits`, `(received, handle)` in by
     `output_splits`; the handle is None unless `async_op`."""
     received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
     work = all_to_all_single(
-        received,
-        rows.contiguous(),
-        list(output_splits),
-        list(input_splits),
-        group=group,
+        received, rows.contiguous(), list(output_splits), list(input_splits), group=group,
         async_op=async_op,
     )
     return received, work
@@ -320,25 +284,19 @@ def _send_rows(
 
 class _ExchangeRows(torch.autograd.Function):
     """`all_to_all_single` of rows that autograd differentiates: the gradient takes the
-    same exchange back, splits swapped.
+    same exchange back, splits swapped, where autograd runs it (blocking, usually).
 
     Inputs: `rows`, the splits, the group, `pending` (None: blocking; a list: launch only
     and append the `CollectiveWork`), then any order tokens. Outputs: the received rows
-    and a new zero-element float32 token; the backward returns a zero-element gradient
-    per token taken. The backward runs where autograd runs it (usually outside an
-    overlap, blocking). A backward with `create_graph=True` raises on every rank before
-    its exchange, rather than return a second order that lacks the exchange's part.
+    and a new zero-element float32 token. A backward with `create_graph=True` raises on
+    every rank before its exchange: a second order would lack the exchange's part.
     """
 
     @staticmethod
     def forward(
-        ctx: Any,
-        rows: torch.Tensor,
-        output_splits: tuple[int, ...],
-        input_splits: tuple[int, ...],
-        group: dist.ProcessGroup,
-        pending: list[CollectiveWork] | None,
-        *tokens: torch.Tensor,
+        ctx: Any, rows: torch.Tensor, output_splits: tuple[int, ...],
+        input_splits: tuple[int, ...], group: dist.ProcessGroup,
+        pending: list[CollectiveWork] | None, *tokens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
@@ -349,8 +307,7 @@ class _ExchangeRows(torch.autograd.Function):
         if pending is not None:
             assert work is not None
             pending.append(work)
-        token = torch.empty(0, dtype=torch.float32, device=rows.device)
-        return received, token
+        return received, torch.empty(0, dtype=torch.float32, device=rows.device)
 
     @staticmethod
     def backward(ctx: Any, grad_received: torch.Tensor, grad_token: Any) -> tuple[Any, ...]:
@@ -369,8 +326,8 @@ class _ExchangeRows(torch.autograd.Function):
             torch.zeros(0, dtype=torch.float32, device=device) if needed else None
             for device, needed in zip(ctx.token_devices, ctx.needs_input_grad[5:])
         )
-        grad_rows_or_none = grad_rows if ctx.needs_input_grad[0] else None
-        return (grad_rows_or_none, None, None, None, None, *token_grads)
+        return (grad_rows if ctx.needs_input_grad[0] else None, None, None, None, None,
+                *token_grads)
 
 
 def _check_num_experts(num_experts: Any, world_size: int) -> int:
