@@ -249,6 +249,35 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _run_item(
+    item: Item, progress: str, args: argparse.Namespace, out: Path, timeout_s: float
+) -> tuple[list[Row], list[str], bool]:
+    """Run one item: (its table rows, notes to print under the table, whether it failed)."""
+    if not (ROOT / item.script).exists():
+        print(f"{progress} is not there: skipped", file=sys.stderr)
+        return [(f"`{item.script}`", "skipped", "the script is not in this checkout")], [], False
+    extra = ("--out", str(out / item.name)) if item.script.startswith("examples/") else ()
+    command = [sys.executable, item.script, *(item.quick if args.quick else item.full),
+               *extra, "--json"]
+    print(f"{progress} ...", file=sys.stderr, flush=True)
+    begin = time.monotonic()
+    result, why = _run(command, timeout_s, out / f"{item.name}.log")
+    print(f"{progress} {why or 'done'} in {time.monotonic() - begin:.0f} s",
+          file=sys.stderr, flush=True)
+    if result is None:
+        return [(f"`{item.script}`", "failed", f"{why}; see {out / item.name}.log")], [], True
+    (out / f"{item.name}.json").write_text(json.dumps(result, indent=1))
+    notes = []
+    if item.name == "overlap":
+        notes.append(plot_overlap(result, out / "overlap_efficiency.png"))
+        if any(not -0.1 <= row["hidden"] <= 1.2 for row in result["rows"]):
+            notes.append(
+                "hidden fractions far outside 0-1: the compute's speed changed between "
+                "the rounds (a busy machine); rerun on a quiet one"
+            )
+    return item.rows(result), notes, False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     names = [item.name for item in ITEMS]
@@ -271,30 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     rows: list[Row] = []
-    notes, failed = [], False
+    notes: list[str] = []
+    failed = False
     selected = [item for item in ITEMS if item.name in chosen]
     for index, item in enumerate(selected, 1):
         progress = f"[{index}/{len(selected)}] {item.name}: {item.script}"
-        if not (ROOT / item.script).exists():
-            print(f"{progress} is not there: skipped", file=sys.stderr)
-            rows.append((f"`{item.script}`", "skipped", "the script is not in this checkout"))
-            continue
-        extra = ("--out", str(out / item.name)) if item.script.startswith("examples/") else ()
-        command = [sys.executable, item.script, *(item.quick if args.quick else item.full),
-                   *extra, "--json"]
-        print(f"{progress} ...", file=sys.stderr, flush=True)
-        begin = time.monotonic()
-        result, why = _run(command, timeout_s, out / f"{item.name}.log")
-        print(f"{progress} {why or 'done'} in {time.monotonic() - begin:.0f} s",
-              file=sys.stderr, flush=True)
-        if result is None:
-            failed = True
-            rows.append((f"`{item.script}`", "failed", f"{why}; see {out / item.name}.log"))
-            continue
-        (out / f"{item.name}.json").write_text(json.dumps(result, indent=1))
-        rows += item.rows(result)
-        if item.name == "overlap":
-            notes.append(plot_overlap(result, out / "overlap_efficiency.png"))
+        item_rows, item_notes, item_failed = _run_item(item, progress, args, out, timeout_s)
+        rows, notes, failed = rows + item_rows, notes + item_notes, failed or item_failed
     header = [
         f"Date: {started:%Y-%m-%d %H:%M} UTC",
         f"Machine: {machine()}",

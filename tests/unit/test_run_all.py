@@ -99,3 +99,22 @@ def test_the_overlap_curve_is_drawn_with_one_line_per_ubatch_count(tmp_path: Pat
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (row, *_) = run_all._overlap_rows(result)
     assert row[1] == "0.53 / 0.60 / 0.90", row
+
+
+def test_hidden_fractions_far_outside_0_to_1_get_a_note_under_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    run_all = _module()
+    result = {"device": "cpu", "layers": 4, "rows": [
+        {"c_nominal_ms": 1.0, "m_ms": 1.0, "num_ubatches": 2, "hidden": hidden}
+        for hidden in (0.9, -3.0)
+    ]}
+    (tmp_path / "fake_overlap.py").write_text(f"import json; print(json.dumps({result!r}))")
+    item = run_all.Item("overlap", "fake_overlap.py", (), (), lambda result: [])
+    monkeypatch.setattr(run_all, "ROOT", tmp_path)
+    monkeypatch.setattr(run_all, "ITEMS", (item,))
+    assert run_all.main(["--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "a busy machine" in printed
+    assert (tmp_path / "out" / "overlap_efficiency.png").exists()
