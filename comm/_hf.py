@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -13,41 +14,35 @@ from comm.moe import combine, dispatch
 
 def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
     """Keep only this rank's experts in every sparse MoE block of `model`, in place, and
-    route the tokens to the ranks that own them through `comm.moe.dispatch`/`combine`.
+    route the tokens to them through `comm.moe.dispatch`/`combine`.
 
-    A block is recognised by its structure (the `transformers` >= 5 layout of Mixtral,
-    Qwen2-MoE, Qwen3-MoE and their kin): a child `experts` whose own parameters are
-    stacked `[num_experts, ...]`, next to a router child whose `weight` is
-    `[num_experts, hidden]`. Rank r of `group` (None: the default group) keeps experts
-    `[r * E_local, (r + 1) * E_local)`; the block's own forward still runs (router,
-    shared experts, reshapes), and its experts module, called with the routing of
-    every token, dispatches the rows, runs its own computation on the local experts
-    with unit weights (`combine` applies the routing weights) and combines them back.
-    Every rank must then run the same forward calls (collectives); the output equals
-    the unsharded model's for the same input (allclose), gradients too.
+    A block (`transformers` >= 5: Mixtral, Qwen2-MoE, Qwen3-MoE and their kin) is a module
+    with an `experts` child whose own parameters are stacked `[num_experts, ...]` and a
+    router child whose `weight` is `[num_experts, hidden]`. Rank r of `group` (None: the
+    default group) keeps experts `[r * E_local, (r + 1) * E_local)`. The block's forward
+    runs as before (router, shared experts); its experts module dispatches the rows, runs
+    the model's own expert computation on them with unit weights (`combine` applies the
+    routing weights) and combines them back. So every rank must run the same forward
+    calls; the output equals the unsharded model's (allclose), gradients too.
 
-    Shard after loading a checkpoint (`from_pretrained`, `load_state_dict` of the full
-    model) and before building an optimizer: the dropped experts' memory is freed.
-    Returns the qualified names of the blocks changed. Raises ValueError naming the
-    model's class when it has no such block (or all are sharded already), and
-    ValueError when a block's expert count is not divisible by the group's size.
+    Shard after loading a checkpoint (`from_pretrained`, or `load_state_dict` of the
+    whole model) and before building an optimizer. Returns the qualified names of the
+    blocks changed. ValueError naming the model's class when it has no such block (or
+    only sharded ones), and when an expert count is not divisible by the group's size.
     """
     base = resolve_group(group)
     blocks = [(name, module) for name, module in model.named_modules() if _num_experts(module)]
     if not blocks:
         raise ValueError(
-            f"shard_experts found no sparse MoE block in {type(model).__name__}: it looks "
-            "for a module with an `experts` child holding stacked [num_experts, ...] "
-            "parameters and a router child with a [num_experts, hidden] weight "
-            "(blocks sharded already are skipped)"
+            f"shard_experts found no sparse MoE block in {type(model).__name__}: a module "
+            "with an `experts` child holding stacked [num_experts, ...] parameters and a "
+            "router child with a [num_experts, hidden] weight, not sharded already"
         )
-    world_size = base.size()
     for name, block in blocks:
-        num_experts = _num_experts(block)
-        if num_experts % world_size != 0:
+        if _num_experts(block) % base.size() != 0:
             raise ValueError(
-                f"{name} has {num_experts} experts, which do not split evenly over the "
-                f"{world_size} ranks of the group; use a group whose size divides {num_experts}"
+                f"{name} has {_num_experts(block)} experts, which do not split evenly over "
+                f"the {base.size()} ranks of the group; use a group whose size divides it"
             )
     for _, block in blocks:
         _shard(block.experts, _num_experts(block), base)
@@ -57,25 +52,34 @@ def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None
 def _num_experts(module: torch.nn.Module) -> int:
     """The expert count of a sparse MoE block not sharded yet; 0 for any other module."""
     experts = getattr(module, "experts", None)
-    if not isinstance(experts, torch.nn.Module) or hasattr(experts, "_expert_parallel_group"):
+    if not isinstance(experts, torch.nn.Module) or hasattr(experts, "_routing"):
         return 0
     counts = {int(p.shape[0]) if p.ndim >= 2 else 0 for p in experts.parameters(recurse=False)}
     if len(counts) != 1 or 0 in counts:
         return 0
     (num_experts,) = counts
-    for child_name, child in module.named_children():
-        weight = getattr(child, "weight", None)
-        if child_name != "experts" and isinstance(weight, torch.Tensor) and (
-            weight.ndim == 2 and weight.shape[0] == num_experts
-        ):
-            return num_experts
-    return 0
+    weights = [getattr(child, "weight", None) for name, child in module.named_children()
+               if name != "experts"]
+    routers = [isinstance(w, torch.Tensor) and w.shape[:1] == (num_experts,) and w.ndim == 2
+               for w in weights]
+    return num_experts if any(routers) else 0
+
+
+class _Routing:
+    """Where a sharded experts module sends its rows; a deep copy shares it (a process
+    group cannot be copied)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
+        self.group, self.num_experts = group, num_experts
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Routing:
+        return self
 
 
 def _shard(experts: torch.nn.Module, num_experts: int, group: dist.ProcessGroup) -> None:
     """Slice `experts`' stacked parameters to this rank's share and route its forward."""
-    num_local = num_experts // group.size()
-    local = slice(dist.get_rank(group) * num_local, (dist.get_rank(group) + 1) * num_local)
+    num_local, rank = num_experts // group.size(), dist.get_rank(group)
+    local = slice(rank * num_local, (rank + 1) * num_local)
     with torch.no_grad():
         for name, param in list(experts.named_parameters(recurse=False)):
             # A copy, so that the other experts' storage is freed.
@@ -83,14 +87,19 @@ def _shard(experts: torch.nn.Module, num_experts: int, group: dist.ProcessGroup)
             setattr(experts, name, shard)
     if hasattr(experts, "num_experts"):  # the expert loop and its one_hot count local ones
         experts.num_experts = num_local  # type: ignore[assignment]
-    experts._expert_parallel_group = group  # type: ignore[assignment]
-    compute = type(experts).forward  # the model's own expert computation
+    experts._routing = _Routing(group, num_experts)  # type: ignore[assignment]
+    experts.forward = types.MethodType(_routed_forward, experts)  # nn.Module.__call__ runs it
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        recv_x, recv_ids, handle = dispatch(hidden_states, top_k_index, num_experts, group)
-        unit = torch.ones(recv_x.shape[0], 1, dtype=top_k_weights.dtype, device=recv_x.device)
-        out = compute(experts, recv_x, recv_ids.unsqueeze(1), unit, *args, **kwargs)
-        return combine(out, handle, top_k_weights)
 
-    experts.forward = forward  # an instance attribute: nn.Module.__call__ runs it
+def _routed_forward(
+    experts: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor, *args: Any, **kwargs: Any,
+) -> torch.Tensor:
+    """A sharded experts module's forward: [T, H] tokens, [T, K] routing -> [T, H]."""
+    routing = experts._routing
+    recv_x, recv_ids, handle = dispatch(
+        hidden_states, top_k_index, routing.num_experts, routing.group
+    )
+    unit = torch.ones(recv_x.shape[0], 1, dtype=top_k_weights.dtype, device=recv_x.device)
+    out = type(experts).forward(experts, recv_x, recv_ids.unsqueeze(1), unit, *args, **kwargs)
+    return combine(out, handle, top_k_weights)

@@ -46,16 +46,12 @@ class DispatchHandle:
     topk: int  # K: experts per token
     num_local_experts: int  # E_local: experts per rank
     sort_order: torch.Tensor
-    """[T * K] int64: sent row j is the (token, k) pair `sort_order[j]` (`token * K + k`),
-    pairs sorted by global expert id (stable)."""
+    """[T * K] int64: sent row j is the (token, k) pair `sort_order[j]` = `token * K + k`."""
     send_splits: tuple[int, ...]  # rows sent to each rank
     recv_splits: tuple[int, ...]  # rows received from each rank
     num_recv_tokens_per_expert: torch.Tensor
-    """[world_size, E_local] int64 on the host: rows received from rank s for local expert
-    e; `recv_x` holds them source-major, expert-minor."""
-    order_token: torch.Tensor | None = None
-    """Zero-element float32, requires grad: the token of `dispatch`'s row exchange, for
-    `combine` to take; None when that exchange recorded no graph (module docstring)."""
+    """[world_size, E_local] int64 on the host: the rows received per source and expert."""
+    order_token: torch.Tensor | None = None  # dispatch's (module docstring); None: no graph
 
     @property
     def num_recv_tokens(self) -> int:
@@ -163,13 +159,11 @@ def combine(
     """Send expert outputs back and sum them per token: `y[t] = sum_k w[t, k] * out(t, k)`.
 
     `expert_out` [R, H_out]: row i the expert output for `recv_x[i]` of the `dispatch`
-    that returned `handle` (H_out may differ from H). `topk_weights` [T, K] floating,
-    same device. Returns `y` [T, H_out] in the original token order, in `expert_out`'s
-    dtype (summed over k in order in the promoted dtype of the two).
-
-    As `dispatch`: one all-to-all, one yield inside an overlap (plus one small
-    all-reduce when only the experts train, module docstring). Raises TypeError /
-    ValueError before any communication for bad shapes or dtypes.
+    that returned `handle`. `topk_weights` [T, K] floating, same device. Returns `y`
+    [T, H_out] in token order and `expert_out`'s dtype (summed over k in order in the
+    promoted dtype). One all-to-all, one yield inside an overlap (and one small
+    all-reduce when only the experts train); TypeError / ValueError before any
+    communication for bad shapes or dtypes.
     """
     expert_out, topk_weights = _check_combine(expert_out, handle, topk_weights)
     hidden = int(expert_out.shape[1])
@@ -197,9 +191,8 @@ def _check_combine(
     topk_weights = require_tensor("topk_weights", topk_weights)
     if expert_out.ndim != 2 or expert_out.shape[0] != handle.num_recv_tokens:
         raise ValueError(
-            f"expert_out must be [num_recv_tokens, hidden] with num_recv_tokens = "
-            f"{handle.num_recv_tokens} (the rows dispatch returned), got shape "
-            f"{tuple(expert_out.shape)}"
+            f"expert_out must be [num_recv_tokens = {handle.num_recv_tokens} (the rows "
+            f"dispatch returned), hidden], got shape {tuple(expert_out.shape)}"
         )
     if topk_weights.shape != (handle.num_tokens, handle.topk):
         raise ValueError(

@@ -10,7 +10,7 @@ from dbo.api import yield_
 
 
 class YieldHooks:
-    """The forward pre-hooks `yield_between` registered; `remove()` removes them all."""
+    """The forward pre-hooks `yield_between` registered (`handles`); `remove()` them all."""
 
     def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
         self.handles = handles
@@ -22,10 +22,9 @@ class YieldHooks:
 
 def yield_between(modules: Iterable[torch.nn.Module]) -> YieldHooks:
     """Make every module but the first call `dbo.yield_()` before its forward (a forward
-    pre-hook), so that inside an overlap the baton passes between consecutive modules
-    (the layers of `model.model.layers`); outside an overlap the hooks do nothing."""
-    hooks = [module.register_forward_pre_hook(_yield) for module in list(modules)[1:]]
-    return YieldHooks(hooks)
+    pre-hook): inside an overlap the baton passes between consecutive modules (the
+    layers of `model.model.layers`); outside one the hooks do nothing."""
+    return YieldHooks([m.register_forward_pre_hook(_yield) for m in list(modules)[1:]])
 
 
 def _yield(module: torch.nn.Module, args: object) -> None:

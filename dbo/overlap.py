@@ -53,12 +53,9 @@ class _RunnerPool:
     @contextmanager
     def lease(self, num_ubatches: int, device: torch.device | None) -> Iterator[UBatchRunner]:
         key = (num_ubatches, device, _affinity.cpus_of_this_thread())
-        runner = None
         with self._lock:
-            for index in range(len(self._idle) - 1, -1, -1):  # the most recent first
-                if self._idle[index][0] == key:
-                    runner = self._idle.pop(index)[1]
-                    break
+            matches = [i for i, (idle_key, _) in enumerate(self._idle) if idle_key == key]
+            runner = self._idle.pop(matches[-1])[1] if matches else None  # the most recent
             generation = self._generation
             if not self._atexit_registered:
                 atexit.register(self.close_all)
@@ -360,10 +357,9 @@ def _decided_size(
     args: tuple[Any, ...], kwargs: dict[str, Any], custom_split: bool, group: Any,
     must_inline: bool,
 ) -> tuple[list[tuple[str, torch.Tensor]], int | None]:
-    """The (path, tensor) leaves to split and the batch size: this rank's, or with a
-    decision `group` the MIN over its ranks (0 from a rank that must run inline). A rank
-    that cannot size its input (dim-0 sizes that differ) still takes part before it
-    raises, and every other rank then raises too instead of waiting for it."""
+    """The (path, tensor) leaves to split and the batch size: this rank's, or the MIN over
+    `group` (0 from a rank that must run inline; a rank that cannot size its input votes
+    before it raises, and every other rank then raises too instead of waiting)."""
     try:
         leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
         size = _largest_size(leaves) if custom_split else batch_size_of(leaves)

@@ -115,7 +115,8 @@ def default_split(
     """Split every tensor leaf with ndim >= 1 into views, as `torch.tensor_split(x,
     num_ubatches)` does; 0-dim tensors and other leaves reach every ubatch unchanged, and
     an argument with nothing to split as the same object. ValueError when dim-0 sizes
-    differ or a leaf of a type torch's pytree does not know holds tensors."""
+    differ or a leaf of a type torch's pytree does not know holds tensors. Sparse and
+    nested tensors are unsupported (torch.tensor_split refuses them): pass `split=`."""
     num_ubatches = check_num_ubatches(num_ubatches)
     batch_size_of(splittable_leaves(args, kwargs))  # checks the leaves and their sizes
     return split_parts(args, kwargs, num_ubatches)
@@ -125,19 +126,8 @@ def split_parts(
     args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
 ) -> UBatchInputs:
     """`default_split` for arguments whose leaves are already known to be valid."""
-    try:
-        arg_parts = [_split_argument(arg, num_ubatches) for arg in args]
-        kwarg_parts = {key: _split_argument(value, num_ubatches) for key, value in kwargs.items()}
-    except (RuntimeError, NotImplementedError) as error:  # torch's names neither path nor fix
-        for path, leaf in splittable_leaves(args, kwargs, check_leaves=False):
-            if leaf.is_nested or leaf.layout != torch.strided:
-                kind = "a nested" if leaf.is_nested else f"a {leaf.layout}"
-                raise ValueError(
-                    f"the default split cuts every tensor along dim 0 with "
-                    f"torch.tensor_split, which {path} ({kind} tensor) does not support; "
-                    "pass split= (and merge=) to divide it yourself"
-                ) from error
-        raise
+    arg_parts = [_split_argument(arg, num_ubatches) for arg in args]
+    kwarg_parts = {key: _split_argument(value, num_ubatches) for key, value in kwargs.items()}
     return [
         (tuple(parts[i] for parts in arg_parts), {k: p[i] for k, p in kwarg_parts.items()})
         for i in range(num_ubatches)
@@ -229,7 +219,10 @@ def _merged_leaf(values: list[Any]) -> Any:
             f"the ubatches returned different non-tensor values {values!r}; pass merge= "
             "to combine them"
         )
-    kinds = [_leaf_kind(value) for value in values]
+    kinds = [
+        type(value).__name__ if not isinstance(value, torch.Tensor)
+        else "tensor" if value.ndim >= 1 else "0-dim tensor" for value in values
+    ]
     if all(kind == "0-dim tensor" for kind in kinds):
         raise _Unmergeable(
             "it is a 0-dim tensor in each ubatch, which does not concatenate; pass merge= "
@@ -267,12 +260,6 @@ def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
             f"{', '.join(devices)}, which do not concatenate along dim 0; return the same "
             "shape after dim 0 from every ubatch, on one device, or pass merge="
         ) from error
-
-
-def _leaf_kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return "tensor" if value.ndim >= 1 else "0-dim tensor"
-    return type(value).__name__
 
 
 def _describe(spec: pytree.TreeSpec) -> str:

@@ -53,6 +53,21 @@ def test_a_sharded_model_equals_the_unsharded_one_with_its_gradients(
         torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
 
 
+def test_a_deep_copy_of_a_sharded_model_routes_through_its_own_experts(
+    world_of_one: None,
+) -> None:
+    model = tiny_moe("mixtral")
+    comm.moe.shard_experts(model)
+    twin = copy.deepcopy(model)  # the process group is shared, not copied
+    experts = twin.model.layers[0].mlp.experts
+    assert experts.forward.__self__ is experts
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)
+        experts.down_proj.zero_()
+        assert not torch.equal(twin(ids).logits, model(ids).logits)
+
+
 def test_qwen2_moe_still_applies_its_gated_shared_expert(world_of_one: None) -> None:
     model = tiny_moe("qwen2_moe")
     comm.moe.shard_experts(model)
