@@ -21,14 +21,12 @@ def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None
     router child whose `weight` is `[num_experts, hidden]`. Rank r of `group` (None: the
     default group) keeps experts `[r * E_local, (r + 1) * E_local)`. The block's forward
     runs as before (router, shared experts); its experts module dispatches the rows, runs
-    the model's own expert computation on them with unit weights (`combine` applies the
-    routing weights) and combines them back. So every rank must run the same forward
-    calls; the output equals the unsharded model's (allclose), gradients too.
-
-    Shard after loading a checkpoint (`from_pretrained`, or `load_state_dict` of the
-    whole model) and before building an optimizer. Returns the qualified names of the
-    blocks changed. ValueError naming the model's class when it has no such block (or
-    only sharded ones), and when an expert count is not divisible by the group's size.
+    the model's own expert computation with unit weights (`combine` applies the routing
+    weights) and combines. Every rank then runs the same forward calls (collectives);
+    the output equals the unsharded model's (allclose), gradients too. Shard after
+    loading a checkpoint, before building an optimizer. Returns the qualified names of
+    the blocks changed; ValueError naming the model's class when it has none (or only
+    sharded ones), and when an expert count is not divisible by the group's size.
     """
     base = resolve_group(group)
     blocks = [(name, module) for name, module in model.named_modules() if _num_experts(module)]
@@ -66,8 +64,7 @@ def _num_experts(module: torch.nn.Module) -> int:
 
 
 class _Routing:
-    """Where a sharded experts module sends its rows; a deep copy shares it (a process
-    group cannot be copied)."""
+    """Where a sharded experts module sends its rows; deep copies share it (groups do not copy)."""
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
         self.group, self.num_experts = group, num_experts

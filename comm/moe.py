@@ -210,8 +210,7 @@ def _check_combine(
     return expert_out, topk_weights
 
 
-_ORDER_TOKEN_KEY = "comm.moe.order_token"
-"""The `dbo.run_state()` key of the run's latest order token (module docstring)."""
+_ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.run_state()` key: the run's latest token
 
 
 def _run_has_order_token() -> bool:

@@ -24,8 +24,5 @@ def yield_between(modules: Iterable[torch.nn.Module]) -> YieldHooks:
     """Make every module but the first call `dbo.yield_()` before its forward (a forward
     pre-hook): inside an overlap the baton passes between consecutive modules (the
     layers of `model.model.layers`); outside one the hooks do nothing."""
-    return YieldHooks([m.register_forward_pre_hook(_yield) for m in list(modules)[1:]])
-
-
-def _yield(module: torch.nn.Module, args: object) -> None:
-    yield_()
+    hook = lambda module, args: yield_()  # noqa: E731 - one hook object for every module
+    return YieldHooks([m.register_forward_pre_hook(hook) for m in list(modules)[1:]])

@@ -24,12 +24,9 @@ from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, s
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-SplitFn = Callable[[tuple[Any, ...], dict[str, Any], int], UBatchInputs]
-"""`split(args, kwargs, num_ubatches) -> [(args_i, kwargs_i), ...]`"""
-MergeFn = Callable[[Sequence[Any]], Any]
-"""`merge([output_0, output_1, ...]) -> output`"""
-NoSplit = Sequence[str | int] | str | int
-"""`no_split=`: argument names and positional indices (one, or a sequence of them)."""
+SplitFn = Callable[[tuple[Any, ...], dict[str, Any], int], UBatchInputs]  # -> [(args, kwargs)]
+MergeFn = Callable[[Sequence[Any]], Any]  # merge([output_0, output_1, ...]) -> output
+NoSplit = Sequence[str | int] | str | int  # argument names and positional indices
 
 
 _MAX_IDLE_RUNNERS = 2  # per key; more exist only while callers overlap
@@ -100,8 +97,8 @@ _runner_pool = _RunnerPool()
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has only the thread that forked: drop the runners, registrations
-    and locks it inherited; `dbo.overlap` builds new runners there on first use."""
+    """In a forked child (only the forking thread survives): drop the runners,
+    registrations and locks it inherited; new runners are built on first use."""
     _runner_pool.reset_after_fork()
     _context.reset_after_fork()
     runner_module.reset_after_fork()
@@ -249,13 +246,15 @@ def _wrapper(
             ):
                 name = "dbo.overlap inline"
                 return inline(args, kwargs)
-            if not torch.is_grad_enabled() and any(leaf.requires_grad for _, leaf in leaves):
-                # A caller in no_grad whose fn turns grad on: the parts keep their link to
-                # the inputs, as the inputs themselves would in a direct call.
-                with torch.enable_grad():
-                    parts = _split(split, cut_args, cut_kwargs, num_ubatches)
-            else:
-                parts = _split(split, cut_args, cut_kwargs, num_ubatches)
+            # A caller in no_grad whose fn turns grad on: the parts keep their link to the
+            # inputs, as the inputs themselves would in a direct call.
+            with torch.set_grad_enabled(
+                torch.is_grad_enabled() or any(leaf.requires_grad for _, leaf in leaves)
+            ):
+                if split is None:  # the leaves were checked when sized
+                    parts = split_parts(cut_args, cut_kwargs, num_ubatches)
+                else:
+                    parts = _checked_split(split(cut_args, cut_kwargs, num_ubatches), num_ubatches)
             run_device = device or next(
                 (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
             )
@@ -274,8 +273,7 @@ def _wrapper(
 def _whole_arguments(
     fn: Callable[..., Any], no_split: Sequence[Any]
 ) -> tuple[frozenset[int], frozenset[str], int]:
-    """`no_split`'s positions (a named parameter's too), names, and the largest index it
-    gives; the names checked against `fn`'s."""
+    """`no_split`'s positions (named parameters' too), names (checked), largest index."""
     target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
         params = list(inspect.signature(target).parameters.values())
@@ -322,15 +320,7 @@ def put_back(parts: UBatchInputs, held: dict[int | str, Any]) -> UBatchInputs:
     ]
 
 
-def _split(
-    split: SplitFn | None, args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
-) -> UBatchInputs:
-    if split is None:  # the leaves were checked when sized
-        return split_parts(args, kwargs, num_ubatches)
-    return _checked_split_result(split(args, kwargs, num_ubatches), num_ubatches)
-
-
-def _checked_split_result(parts: Any, num_ubatches: int) -> list[Any]:
+def _checked_split(parts: Any, num_ubatches: int) -> list[Any]:
     """What a custom `split=` returned, checked here so that the error names `split=`."""
     if not isinstance(parts, Iterable):
         raise TypeError(
@@ -380,8 +370,7 @@ def _decided_size(
     return leaves, size
 
 
-_FAILED_RANK = -1
-"""The vote of a rank whose input cannot be sized: the MIN tells every rank."""
+_FAILED_RANK = -1  # the vote of a rank whose input cannot be sized: the MIN tells every rank
 
 
 def _smallest_batch_across_ranks(

@@ -246,10 +246,8 @@ def _merged_leaf(values: list[Any]) -> Any:
 def _concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
     """`torch.cat(parts)`, keeping the graph of parts that have one (`fn` turned grad on)."""
     try:
-        if not torch.is_grad_enabled() and any(part.requires_grad for part in parts):
-            with torch.enable_grad():
-                return torch.cat(parts, dim=0)
-        return torch.cat(parts, dim=0)
+        with torch.set_grad_enabled(torch.is_grad_enabled() or any(p.requires_grad for p in parts)):
+            return torch.cat(parts, dim=0)
     except RuntimeError as error:
         shapes = [tuple(part.shape) for part in parts]
         devices = [str(part.device) for part in parts]
