@@ -143,7 +143,7 @@ def overlap(
     the wrapper has `fn`'s signature. A call splits the arguments (`split`, default
     `dbo.default_split`: tensor leaves along dim 0), runs `fn` on part i in ubatch thread
     i, passing the baton at yield points (threads, streams, errors: `UBatchRunner.run`),
-    and merges the outputs (`merge`, default `dbo.default_merge`: along dim 0).
+    and merges the outputs (`merge`, default `dbo.default_merge`: along dim 0; HF: see it).
 
     `fn` runs once on the whole input in the calling thread instead (`dbo.enabled()`
     False; a custom `merge` gets `[output]`) when the batch is smaller than `num_ubatches`

@@ -138,3 +138,23 @@ def test_a_loss_and_a_cache_in_the_output_stop_the_merge_saying_what_to_do(
             step(ids, output_router_logits=True)
         with pytest.raises(ValueError, match="DynamicCache.*pass use_cache=False"):
             step(ids, use_cache=True)
+
+
+def test_training_through_an_overlapped_sharded_model_gives_the_serial_gradients(
+    world_of_one: None,
+) -> None:
+    model = tiny_moe("qwen2_moe").train()
+    comm.moe.shard_experts(model)
+    twin = copy.deepcopy(model)
+    step = dbo.overlap(model, no_split=["position_ids"], timeout_s=TIMEOUT_S)
+    dbo.yield_between(model.model.layers)
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(6).unsqueeze(0)
+    out = step(ids, position_ids=positions).logits
+    (out * out).sum().backward()  # one loss on the merged output
+    serial = torch.cat([twin(part, position_ids=positions).logits for part in ids.tensor_split(2)])
+    (serial * serial).sum().backward()
+    assert torch.equal(out, serial)
+    grads = dict(twin.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.equal(param.grad, grads[name].grad), name
