@@ -48,14 +48,17 @@ class Item:
 
 
 def _workspace_rows(result: dict[str, Any]) -> list[Row]:
+    by_device: dict[str, list[dict[str, Any]]] = {}
+    for row in result["rows"]:
+        by_device.setdefault(row["device"], []).append(row)
     return [
         (
-            f"workspace `get_simultaneous` vs `torch.empty`, 3 {row['case']} tensors "
-            f"({row['device']})",
-            f"{row['workspace_us'] / row['empty_us']:.2f}",
+            "workspace `get_simultaneous` vs `torch.empty`, 3 tensors, "
+            + " / ".join(row["case"] for row in rows) + f" ({device})",
+            " / ".join(f"{row['workspace_us'] / row['empty_us']:.2f}" for row in rows),
             "time per call over torch.empty's; < 1: cheaper than allocating (goal)",
         )
-        for row in result["rows"]
+        for device, rows in by_device.items()
     ]
 
 
@@ -72,13 +75,12 @@ def _handoff_rows(result: dict[str, Any]) -> list[Row]:
 def _wakeup_rows(result: dict[str, Any]) -> list[Row]:
     if "skipped" in result:
         return [("eventfd vs lock wake-ups", "skipped", result["skipped"])]
-    return [
-        (f"baton wake-ups, eventfd vs `_thread` lock: {row['call']}",
-         f"{row['eventfd_over_lock']:.2f}",
-         "time per call, eventfd (the Linux default) over locks; < 1: eventfd faster")
-        for row in result["rows"]
-        if row["call"] in ("identity", "100 handoffs")
-    ]
+    rows = [row for row in result["rows"] if row["call"] in ("identity", "100 handoffs")]
+    return [(
+        "baton wake-ups, eventfd vs `_thread` lock: " + " / ".join(row["call"] for row in rows),
+        " / ".join(f"{row['eventfd_over_lock']:.2f}" for row in rows),
+        "time per call, eventfd (the Linux default) over locks; < 1: eventfd faster",
+    )]
 
 
 def _overlap_rows(result: dict[str, Any]) -> list[Row]:
@@ -106,32 +108,33 @@ def _host_rows(result: dict[str, Any]) -> list[Row]:
 
 
 def _comm_rows(result: dict[str, Any]) -> list[Row]:
-    rows = []
-    for row in result["rows"]:
-        low, high = row.get("dbo/pipeline lo"), row.get("dbo/pipeline hi")
-        interval = f"95% CI {low:.2f}-{high:.2f}" if low is not None else "no CI under 6 rounds"
-        rows += [
-            (f"gloo all-to-all loop, {row['label']}: DBO vs the hand-written pipeline",
-             f"{row['dbo/pipeline']:.2f}",
-             f"DBO's step time over the pipeline's, same rounds; goal ~1 ({interval})"),
-            (f"gloo all-to-all loop, {row['label']}: DBO vs serial",
-             f"{row['serial'] / row['dbo']:.2f}x",
-             "speedup over the ubatches one after the other, blocking collectives"),
-        ]
-    return rows
+    rows = result["rows"]
+    labels = " / ".join(row["label"] for row in rows)
+    intervals = ", ".join(
+        f"{row['dbo/pipeline lo']:.2f}-{row['dbo/pipeline hi']:.2f}"
+        for row in rows if row.get("dbo/pipeline lo") is not None
+    )
+    return [
+        (f"gloo all-to-all loop, {labels}: DBO vs the hand-written pipeline",
+         " / ".join(f"{row['dbo/pipeline']:.2f}" for row in rows),
+         "DBO's step time over the pipeline's, same rounds; goal ~1"
+         + (f" (95% CI {intervals})" if intervals else " (no CI under 6 rounds)")),
+        (f"gloo all-to-all loop, {labels}: DBO vs serial",
+         " / ".join(f"{row['serial'] / row['dbo']:.2f}x" for row in rows),
+         "speedup over the ubatches one after the other, blocking collectives"),
+    ]
 
 
 def _example_rows(name: str, goals: bool) -> Callable[[dict[str, Any]], list[Row]]:
     def rows(result: dict[str, Any]) -> list[Row]:
         blocked = result["blocked_split_ms"] / max(result["blocked_dbo_ms"], 1e-9)
-        return [
-            (f"{name}: DBO vs the same ubatches in turn", f"{result['speedup_vs_split']:.2f}x",
-             "speedup" + ("; goal >= 1.3x" if goals else "")),
-            (f"{name}: host blocked in collective waits, in turn / DBO", f"{blocked:.1f}x",
-             "communication hidden" + ("; goal >= 3x" if goals else "")),
-            (f"{name}: DBO vs the whole batch", f"{result['speedup']:.2f}x",
-             "speedup; small on a CPU (gloo's transfers share the cores)"),
-        ]
+        return [(
+            f"{name}: DBO vs the same ubatches in turn / blocked time, in turn over DBO / "
+            "DBO vs the whole batch",
+            f"{result['speedup_vs_split']:.2f}x / {blocked:.1f}x / {result['speedup']:.2f}x",
+            "speedups and communication hidden" + ("; goals >= 1.3x / >= 3x" if goals else "")
+            + "; the whole-batch gain is small on a CPU (gloo's transfers share the cores)",
+        )]
 
     return rows
 
