@@ -25,6 +25,20 @@ def _start_daemon(target, *args) -> threading.Thread:  # type: ignore[no-untyped
     return thread
 
 
+def _start_run_in_daemon(runner: dbo.UBatchRunner, outcome: list[object]) -> threading.Thread:
+    """Run a two-ubatch `x + 1` on `runner` in a daemon thread; its result or error goes
+    to `outcome`."""
+
+    def call() -> None:
+        parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
+        try:
+            outcome.append(runner.run(lambda x: x + 1, parts))
+        except BaseException as error:  # noqa: B036 - checked by the caller
+            outcome.append(error)
+
+    return _start_daemon(call)
+
+
 @pytest.mark.timeout(20)
 def test_close_timeout_bounds_the_wait_for_a_running_overlap() -> None:
     """close(timeout_s) returns within about `timeout_s` while a run is stuck in another
@@ -140,14 +154,7 @@ def test_close_while_a_run_is_setting_up_refuses_the_run(
 
     monkeypatch.setattr(runner_module, "_first_tensor_device", blocking_first_tensor_device)
 
-    def call() -> None:
-        parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
-        try:
-            outcome.append(runner.run(lambda x: x + 1, parts))
-        except BaseException as error:  # noqa: B036 - checked below
-            outcome.append(error)
-
-    caller = _start_daemon(call)
+    caller = _start_run_in_daemon(runner, outcome)
     hung = _close_mid_run(runner, caller, reached, gate, runner.threads, "its set-up")
     assert not hung, "run() waits forever for jobs handed to workers close() had stopped"
     assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
@@ -176,14 +183,7 @@ def test_close_while_jobs_are_being_submitted_aborts_the_run(
     runner = dbo.UBatchRunner(num_ubatches=2)
     outcome: list[object] = []
 
-    def call() -> None:
-        parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
-        try:
-            outcome.append(runner.run(lambda x: x + 1, parts))
-        except BaseException as error:  # noqa: B036 - checked below
-            outcome.append(error)
-
-    caller = _start_daemon(call)
+    caller = _start_run_in_daemon(runner, outcome)
     hung = _close_mid_run(runner, caller, reached, gate, [], "its second submit")
     assert not hung, "run() waits forever for a job submitted to a stopped worker"
     assert len(outcome) == 1 and isinstance(outcome[0], dbo.UBatchAbortedError), outcome
