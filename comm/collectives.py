@@ -62,8 +62,9 @@ class CollectiveWork:
     host blocks (GIL released). The tensors stay referenced until a wait has ended.
     Later waits return True at once after a success. A failed wait (a peer's failure,
     the group's timeout, an abort at the yield) raises the original error, every later
-    wait a RuntimeError chained to it; only a wait's own `timeout` passing leaves the
-    handle in flight. A failed handle keeps its error until it is dropped.
+    wait a RuntimeError (chained to the collective's own error; an abort keeps only its
+    message, since its traceback holds the ubatch's tensors). Only a wait's own `timeout`
+    passing leaves the handle in flight.
     `get_future()` and `result()` are the underlying `Work`'s (no yield, not a wait). A
     handle still in flight when its ubatch's function returns is waited then (no yield).
     """
@@ -80,7 +81,7 @@ class CollectiveWork:
         self._yields = yields
         self._waited = False  # a wait() began: later ones never yield
         self._done = False
-        self._error: BaseException | None = None
+        self._error: BaseException | str | None = None
         self._exit_cell: weakref.ref[_ExitCell] | None = None
         self._name = name
 
@@ -109,6 +110,8 @@ class CollectiveWork:
         but the group's timeout). `yield_first=False` waits without letting the other
         ubatches run first; choose it in the program, never from timing.
         """
+        if isinstance(self._error, str):
+            raise RuntimeError(f"the collective {self._name} was abandoned: {self._error}")
         if self._error is not None:
             raise RuntimeError(
                 f"the collective {self._name} failed: {describe(self._error)}"
@@ -126,7 +129,7 @@ class CollectiveWork:
                 dbo.yield_()
             except BaseException as error:
                 _abandon(self._work, self._tensors)  # aborted: settled before exit
-                self._fail(error)
+                self._fail(describe(error))
                 raise
         try:
             if timeout is None:
@@ -142,7 +145,7 @@ class CollectiveWork:
         self._release()
         return True
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException | str) -> None:
         self._error = error
         self._release()
 
@@ -163,7 +166,9 @@ class CollectiveWork:
 
     def __repr__(self) -> str:
         if self._error is not None:
-            state = f"failed: {type(self._error).__name__}"
+            state = "abandoned" if isinstance(self._error, str) else (
+                f"failed: {type(self._error).__name__}"
+            )
         else:
             state = "waited" if self._done else "in flight"
         return f"CollectiveWork({state}, yields={self._yields})"

@@ -38,6 +38,16 @@ daemon thread inside a torch op at finalization would end the process in SIGABRT
 
 _left_running: list[Baton] = []
 """Batons of aborted runs whose ubatches had not all ended; waited for at exit."""
+_left_running_lock = threading.Lock()
+
+
+def _remember_left_running(baton: Baton) -> None:
+    """Keep `baton` for the exit wait, dropping those whose ubatches have all ended
+    (each holds its workers' wake-ups, file descriptors on Linux)."""
+    with _left_running_lock:
+        _left_running[:] = [kept for kept in _left_running if not kept.wait_done(0)]
+        _left_running.append(baton)
+    _wait_for_left_running_at_exit()
 
 
 @functools.cache
@@ -53,6 +63,8 @@ def _wait_for_left_running() -> None:
 
 def reset_after_fork() -> None:
     """In a forked child: the parent's ubatch threads are not there to wait for."""
+    global _left_running_lock
+    _left_running_lock = threading.Lock()
     _left_running.clear()
 
 
@@ -278,11 +290,11 @@ class UBatchRunner:
                 UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
                 for ubatch_id, (args, kwargs) in enumerate(inputs)
             ]
-            self._begin(run, jobs)
             try:
+                self._begin(run, jobs)
                 self._start_and_wait(run, jobs, timeout_s)
             finally:
-                self._end(run)
+                self._end(run, jobs)
             return self._collect(run, results, errors)
 
     def _checked_inputs(self, ubatch_inputs: Sequence[Any]) -> _Inputs:
@@ -345,11 +357,15 @@ class UBatchRunner:
             self._set_state(RunnerState.RUNNING)
             self._run, self._jobs = run, jobs
 
-    def _end(self, run: OverlapRun) -> None:
+    def _end(self, run: OverlapRun, jobs: list[UBatchJob]) -> None:
         """RUNNING -> IDLE, or BROKEN while a ubatch of the aborted run still runs; the
         workers of a runner closed during the run stop now."""
         with self._mutex:
-            if self._state is RunnerState.RUNNING:
+            if self._state is RunnerState.RUNNING and self._run is run:
+                # An interrupt before the baton started leaves jobs that must never run.
+                for ubatch_id, job in enumerate(jobs):
+                    if job.revoke():
+                        run.baton.finish(ubatch_id)
                 ended = run.baton.wait_done(0)
                 self._set_state(RunnerState.IDLE if ended else RunnerState.BROKEN)
             closed = self._state is RunnerState.CLOSED
@@ -387,8 +403,7 @@ class UBatchRunner:
             run.drop_leftovers()
             self._join_streams(run)
             return
-        _left_running.append(run.baton)
-        _wait_for_left_running_at_exit()
+        _remember_left_running(run.baton)
         # Best effort: the caller's stream waits for what the ubatches enqueued so far,
         # so that it does not reuse the inputs under their kernels.
         for ubatch_streams in run.streams:

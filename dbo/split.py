@@ -114,7 +114,7 @@ def default_split(
 ) -> UBatchInputs:
     """Split every tensor leaf with ndim >= 1 into views, as `torch.tensor_split(x,
     num_ubatches)` does; 0-dim tensors and other leaves reach every ubatch unchanged, and
-    an argument with nothing to split as the same object. ValueError when dim-0 sizes
+    a container with nothing to split (at any depth) as the same object. ValueError when dim-0 sizes
     differ or a leaf of a type torch's pytree does not know holds tensors. Sparse and
     nested tensors are unsupported (torch.tensor_split refuses them): pass `split=`."""
     num_ubatches = check_num_ubatches(num_ubatches)
@@ -140,7 +140,7 @@ def _split_argument(value: Any, num_ubatches: int) -> Sequence[Any]:
         if value.ndim == 0:
             return (value,) * num_ubatches
         return torch.tensor_split(value, num_ubatches, dim=0)
-    leaves, spec = _flatten(value)
+    leaves, spec = pytree.tree_flatten(value, is_leaf=_passes_whole)
     cut = {i: torch.tensor_split(x, num_ubatches) for i, x in enumerate(leaves) if _splittable(x)}
     if not cut:
         return (value,) * num_ubatches
@@ -148,6 +148,14 @@ def _split_argument(value: Any, num_ubatches: int) -> Sequence[Any]:
         pytree.tree_unflatten([cut[i][part] if i in cut else x for i, x in enumerate(leaves)], spec)
         for part in range(num_ubatches)
     ]
+
+
+def _passes_whole(node: Any) -> bool:
+    """A shape, or a container with nothing to split: every ubatch gets the same object
+    (state that `fn` writes into, such as a dict of counters, stays shared)."""
+    return _is_size(node) or not any(
+        _splittable(leaf) for leaf in pytree.tree_leaves(node, is_leaf=_is_size)
+    )
 
 
 def default_merge(outputs: Sequence[Any]) -> Any:

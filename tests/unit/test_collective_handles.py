@@ -7,7 +7,9 @@ all-gather / reduce-scatter layout checks. A world of one (gloo).
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
+import weakref
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +22,7 @@ import comm
 import comm._checks
 import comm._launch
 import comm.collectives
+import dbo
 from comm.collectives import CollectiveWork
 
 
@@ -415,3 +418,51 @@ def test_an_interrupted_settle_keeps_the_collectives_still_in_flight(
     finally:
         with _abandoned._lock:
             _abandoned._works[:] = [kept for kept in _abandoned._works if kept is not work]
+
+
+def test_an_abort_at_the_wait_keeps_no_cycle_holding_the_ubatchs_tensors(
+    world_of_one: None,
+) -> None:
+    """A ubatch aborted inside its handle's wait (another ubatch failed) frees its
+    activations by reference counting: a caller retrying after an out-of-memory error
+    needs that memory back at once, not at the next garbage collection."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            dbo.yield_()
+            raise ValueError("ubatch 0 fails")
+        activations = torch.randn(100, 10)
+        refs.append(weakref.ref(activations))
+        handle = comm.all_reduce(x.clone(), async_op=True)
+        handle.wait()  # aborted at its yield
+        return x + activations.sum()
+
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="ubatch 0 fails"):
+            dbo.overlap(fn, timeout_s=30)(torch.zeros(4, 2))
+        assert len(refs) == 1 and refs[0]() is None
+    finally:
+        gc.enable()
+
+
+def test_a_handle_abandoned_by_an_abort_raises_a_plain_error_on_a_later_wait(
+    world_of_one: None,
+) -> None:
+    handles: list[CollectiveWork] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            dbo.yield_()
+            raise ValueError("ubatch 0 fails")
+        handles.append(comm.all_reduce(x.clone(), async_op=True))
+        handles[0].wait()
+        return x
+
+    with pytest.raises(ValueError):
+        dbo.overlap(fn, timeout_s=30)(torch.zeros(4, 2))
+    with pytest.raises(RuntimeError, match="was abandoned: UBatchAbortedError") as raised:
+        handles[0].wait()
+    assert raised.value.__cause__ is None
+    assert "abandoned" in repr(handles[0])

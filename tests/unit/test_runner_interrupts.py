@@ -289,3 +289,25 @@ def test_an_interrupt_while_a_runner_starts_its_workers_leaves_none_behind() -> 
     while dbo_threads() - before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not dbo_threads() - before, "a worker thread started by the failed constructor lives on"
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupt_before_the_jobs_are_handed_out_leaves_the_runner_idle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    original = UBatchRunner._start_and_wait
+    calls: list[int] = []
+
+    def interrupted_on_entry(self: UBatchRunner, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # a Ctrl-C right after the run began
+        original(self, *args)
+
+    monkeypatch.setattr(UBatchRunner, "_start_and_wait", interrupted_on_entry)
+    parts = [((torch.zeros(1),), {})] * 2
+    with UBatchRunner(num_ubatches=2) as runner:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(lambda x: x + 1, parts)
+        assert runner.state is RunnerState.IDLE
+        assert [out.item() for out in runner.run(lambda x: x + 1, parts)] == [1.0, 1.0]

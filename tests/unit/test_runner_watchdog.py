@@ -265,3 +265,24 @@ def test_exiting_after_the_watchdog_waits_for_the_ubatch_it_gave_up_on() -> None
     )
     assert "watchdog fired" in completed.stdout, completed.stdout + completed.stderr
     assert completed.returncode == 0, completed.stderr
+
+
+@pytest.mark.timeout(30)
+def test_the_exit_wait_keeps_only_runs_whose_ubatches_still_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each run the watchdog gives up on is kept for the exit wait; once its ubatch has
+    returned it is dropped (its wake-ups are file descriptors on Linux)."""
+    monkeypatch.setattr(runner_module, "_left_running", [])
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            time.sleep(0.8)  # past timeout_s and the abort's grace: the run is left behind
+        return x
+
+    step = dbo.overlap(fn, timeout_s=0.1)
+    for _ in range(3):
+        with pytest.raises(dbo.OverlapTimeoutError):
+            step(torch.zeros(2))
+        time.sleep(0.5)  # the stuck ubatch returns
+    assert len(runner_module._left_running) == 1

@@ -367,6 +367,22 @@ def test_leaves_without_batch_tensors_reach_every_ubatch_as_the_same_object() ->
     assert sorted(stats["calls"]) == [0, 1]
 
 
+def test_a_nested_container_without_batch_tensors_stays_the_same_object() -> None:
+    state: dict[str, list[int]] = {"seen": []}
+    batch = {"x": torch.zeros(4, 2), "state": state, "pairs": [(1, "a")]}
+    parts = dbo.default_split((batch,), {}, 2)
+    for (part,), _ in parts:
+        assert part["state"] is state and part["pairs"] is batch["pairs"]
+        assert part["x"].shape == (2, 2)
+
+    def fn(batch: dict[str, Any]) -> torch.Tensor:
+        batch["state"]["seen"].append(batch["x"].shape[0])  # reaches the caller's dict
+        return batch["x"]
+
+    dbo.overlap(fn, timeout_s=TIMEOUT_S)(batch)
+    assert state["seen"] == [2, 2]
+
+
 def test_a_torch_size_is_one_leaf_merged_when_equal_and_named_when_not() -> None:
     out = dbo.overlap(lambda x: (x, x.shape[1:]), timeout_s=TIMEOUT_S)(torch.zeros(4, 3))
     assert out[1] == torch.Size([3]) and type(out[1]) is torch.Size
