@@ -1,7 +1,8 @@
-"""Argument checks shared by the runner, the splitter and the workspace."""
+"""Argument checks shared by the runner, the splitter and the workspace, and lock timeouts."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 MAX_NUM_UBATCHES = 1024
@@ -19,3 +20,8 @@ def check_num_ubatches(num_ubatches: Any) -> int:
             f"num_ubatches must be in [1, {MAX_NUM_UBATCHES}], got {num_ubatches}"
         )
     return num_ubatches
+
+
+def lock_timeout(timeout_s: float | None) -> float:
+    """A timeout `_thread` locks accept: -1 (forever) for None, at most TIMEOUT_MAX."""
+    return -1 if timeout_s is None else min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)

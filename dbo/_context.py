@@ -1,10 +1,8 @@
 """Which ubatch the calling thread runs, if any.
 
-Each ubatch thread of a running overlap is *registered* with a `UBatchContext` for
-exactly the duration of its run. The context lives in a `threading.local`: a lookup is
-one attribute read with no lock, and a thread that was never registered (the caller, a
-data-loader thread, a thread started inside a ubatch) sees no context and behaves as
-outside an overlap.
+Each ubatch thread of a running overlap is *registered* with a `UBatchContext` for the
+duration of its run, in a `threading.local` (a lookup is one attribute read, no lock); a
+thread never registered (the caller, a helper thread) sees none: outside an overlap.
 """
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ watchdog can inspect and abort a run from outside.
 from __future__ import annotations
 
 import _thread
-import threading
 import time
 from collections.abc import Sequence
 
 from torch.autograd import profiler
 
 from dbo import tracing
+from dbo._checks import lock_timeout
 from dbo._wakeup import Wakeup, new_wakeup
 from dbo.errors import UBatchAbortedError
 
@@ -82,8 +82,7 @@ class Baton:
         """Block until every ubatch has finished; False if `timeout_s` passed first."""
         if self._finished:  # also after an interrupt between the acquire and the release
             return True
-        timeout = -1.0 if timeout_s is None else min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)
-        if self._done.acquire(timeout=timeout):
+        if self._done.acquire(timeout=lock_timeout(timeout_s)):
             self._done.release()  # stay "done" for any later query
             return True
         return self._finished

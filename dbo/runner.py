@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from dbo import _affinity, _thread_settings
-from dbo._checks import check_num_ubatches
+from dbo._checks import check_num_ubatches, lock_timeout
 from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
@@ -204,7 +204,7 @@ class UBatchRunner:
         self._refuse_own_ubatch_thread("close")
         if os.getpid() != self._pid:
             return  # the workers are the parent's
-        acquired = self._run_lock.acquire(timeout=_bounded(timeout_s))
+        acquired = self._run_lock.acquire(timeout=lock_timeout(timeout_s))
         try:
             with self._mutex:
                 previous, run = self._state, self._run
@@ -222,7 +222,7 @@ class UBatchRunner:
         stop_workers(self._workers, self._pid)
         if previous is RunnerState.IDLE:
             for worker in self._workers:
-                worker.thread.join(_bounded(timeout_s))
+                worker.thread.join(lock_timeout(timeout_s))
 
     def _refuse_own_ubatch_thread(self, what: str) -> None:
         context = current_context()
@@ -513,10 +513,3 @@ def _first_tensor_device(inputs: _Inputs) -> torch.device:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             return leaf.device
     return torch.device("cpu")
-
-
-def _bounded(timeout_s: float | None) -> float:
-    """A timeout `_thread` locks accept: -1 (forever) for None, at most TIMEOUT_MAX."""
-    if timeout_s is None:
-        return -1
-    return min(max(timeout_s, 0.0), threading.TIMEOUT_MAX)
