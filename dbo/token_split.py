@@ -60,7 +60,7 @@ def balanced_token_split(
     else:
         counts = [_token_count(c) for c in num_tokens_per_request]
     if any(c < 0 for c in counts):
-        raise ValueError(f"token counts must be >= 0, got {counts}")
+        raise ValueError(f"num_tokens_per_request must hold counts >= 0, got {counts}")
     starts = [0]
     for count in counts:
         starts.append(starts[-1] + count)

@@ -243,9 +243,7 @@ CASES = [
         given="overlapped"),
     # balanced_token_split
     row("token_split-negative-count", lambda _: dbo.balanced_token_split([3, -1], 2),
-        ValueError, r"num_tokens_per_request must .*>= 0, got \[3, -1\]", _splits_tokens,
-        xfail="says 'token counts must be >= 0, got [3, -1]'; should name the argument: "
-        "'num_tokens_per_request must hold counts >= 0, got [3, -1]'"),
+        ValueError, r"num_tokens_per_request must .*>= 0, got \[3, -1\]", _splits_tokens),
     row("token_split-float-count", lambda _: dbo.balanced_token_split([1.5, 2], 2), TypeError,
         r"num_tokens_per_request must hold integer counts, got 1.5", _splits_tokens),
     row("token_split-2d-tensor",
@@ -254,9 +252,7 @@ CASES = [
     # UBatchRunner: arguments, use after close(), calls from its own ubatches
     row("runner-wrong-input-count", lambda r: r.run(_double, _parts()[:1]), ValueError,
         r"ubatch_inputs .*one \(args_tuple, kwargs_dict\) pair per ubatch", _runs,
-        given="runner", xfail="says 'this runner has 2 ubatches but got 1 inputs'; should "
-        "name the argument and the fix: 'ubatch_inputs must hold one (args_tuple, "
-        "kwargs_dict) pair per ubatch: this runner has 2 ubatches, got 1'"),
+        given="runner"),
     row("runner-input-not-a-pair", lambda r: r.run(_double, [((X,), {}), [X]]), TypeError,
         r"ubatch_inputs\[1\] must be an \(args_tuple, kwargs_dict\) pair, got a list", _runs,
         given="runner"),
