@@ -1,0 +1,74 @@
+"""Randomized overlap schedules: 2-4 ubatches with unequal yield counts, sleeps, workspace
+requests that grow the capacity mid-run, emulated-link transfers, recv hooks, nested
+overlaps and stream switches. Each output equals the serial one bitwise, each ubatch's
+workspace bytes survive the other ubatches' turns, and the turns follow the ring."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from _stress import size
+from _ubatch_programs import KINDS, Op, Schedule, check_schedule, expected_turns, schedules
+from hypothesis import HealthCheck, given, settings
+
+import workspace
+
+pytestmark = pytest.mark.stress
+
+SCHEDULES_PER_COUNT = {2: size(700, 34_000), 3: size(650, 33_000), 4: size(650, 33_000)}
+"""Schedules per ubatch count: 2,000 bounded, 100,000 long."""
+
+_SETTINGS = dict(
+    derandomize=True,  # the same schedules on every run: a failure reproduces
+    database=None,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture,
+    ],
+)
+
+
+@pytest.fixture
+def fresh_manager() -> Iterator[None]:
+    workspace.reset_workspace_manager()
+    yield
+    workspace.reset_workspace_manager()
+
+
+def _fresh_manager(num_ubatches: int) -> workspace.WorkspaceManager:
+    """A new process-wide manager with no capacity: the schedule's requests grow it."""
+    workspace.reset_workspace_manager()
+    return workspace.init_workspace_manager("cpu", num_ubatches)
+
+
+def _schedule_test(num_ubatches: int):  # type: ignore[no-untyped-def]
+    @pytest.mark.timeout(size(120, 6 * 3600))
+    @settings(max_examples=SCHEDULES_PER_COUNT[num_ubatches], **_SETTINGS)
+    @given(schedule=schedules(num_ubatches))
+    def test(fresh_manager: None, schedule: Schedule) -> None:
+        check_schedule(schedule, _fresh_manager(num_ubatches))
+
+    return test
+
+
+test_random_schedules_of_2_ubatches = _schedule_test(2)
+test_random_schedules_of_3_ubatches = _schedule_test(3)
+test_random_schedules_of_4_ubatches = _schedule_test(4)
+
+
+@pytest.mark.timeout(60)
+def test_every_op_kind_in_one_schedule_of_each_ubatch_count(fresh_manager: None) -> None:
+    """Each kind in each variant, so that the random tests' checks are known to see them."""
+    everything = tuple(Op(kind, arg) for kind in dict.fromkeys(KINDS) for arg in range(8))
+    for num_ubatches in (2, 3, 4):
+        programs = tuple(everything[i:] + everything[:i] for i in range(num_ubatches))
+        check_schedule(Schedule(programs, 3 * num_ubatches + 1, 7), _fresh_manager(num_ubatches))
+
+
+def test_expected_turns_go_round_the_ring_skipping_finished_ubatches() -> None:
+    assert expected_turns([0, 0]) == [(0, 0), (1, 0)]
+    assert expected_turns([2, 0, 1]) == [
+        (0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2),
+    ]
+    assert expected_turns([0, 3]) == [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3)]  # left alone
