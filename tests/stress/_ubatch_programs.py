@@ -1,7 +1,7 @@
 """Random ubatch programs for the single-process stress tests, and their checks.
 
 A `Schedule` is one overlapped call: a program (a tuple of `Op`) per ubatch and an
-input batch. `run_overlapped` runs it with `dbo.overlap`; `run_serial` runs the same
+input batch. `OverlappedCaller` runs it with `dbo.overlap`; `run_serial` runs the same
 ubatch parts one after another in the calling thread, where every dbo call is a no-op:
 the reference output. Inside the overlap the ubatches append their turns, recv hooks
 and ends to one event log (only the baton holder runs Python, so appends never race),
@@ -266,15 +266,29 @@ def ubatch_body(x: torch.Tensor, ubatch_id: int, program: Program, rec: Record) 
     return x
 
 
-def run_overlapped(schedule: Schedule, rec: Record) -> torch.Tensor:
-    programs_ = schedule.programs
+class OverlappedCaller:
+    """One overlapped function for schedules of `num_ubatches` ubatches, reused across
+    calls: each call runs the programs of the schedule it is given."""
 
-    def fn(part: torch.Tensor) -> torch.Tensor:
+    def __init__(self, num_ubatches: int) -> None:
+        self.num_ubatches = num_ubatches
+        self._current: tuple[Schedule, Record] | None = None
+        self._overlapped = dbo.overlap(self._ubatch, num_ubatches=num_ubatches,
+                                       timeout_s=WATCHDOG_S)
+
+    def _ubatch(self, part: torch.Tensor) -> torch.Tensor:
+        assert self._current is not None, "a ubatch runs only inside a call"
+        schedule, rec = self._current
         ubatch_id = dbo.current_ubatch_id()
-        return ubatch_body(part, ubatch_id, programs_[ubatch_id], rec)
+        return ubatch_body(part, ubatch_id, schedule.programs[ubatch_id], rec)
 
-    overlapped = dbo.overlap(fn, num_ubatches=schedule.num_ubatches, timeout_s=WATCHDOG_S)
-    return overlapped(schedule.input())
+    def __call__(self, schedule: Schedule, rec: Record) -> torch.Tensor:
+        assert schedule.num_ubatches == self.num_ubatches, "a schedule for this caller"
+        self._current = (schedule, rec)
+        try:
+            return self._overlapped(schedule.input())
+        finally:
+            self._current = None
 
 
 def run_serial(schedule: Schedule, manager: WorkspaceManager) -> torch.Tensor:
@@ -352,10 +366,13 @@ def check_events(schedule: Schedule, rec: Record) -> None:
         raise AssertionError(f"recv hooks never ran: {pending}")
 
 
-def check_schedule(schedule: Schedule, manager: WorkspaceManager) -> None:
-    """Run `schedule` overlapped, then serially; outputs bitwise equal, events in order."""
+def check_schedule(
+    schedule: Schedule, manager: WorkspaceManager, caller: OverlappedCaller | None = None
+) -> None:
+    """Run `schedule` overlapped (through `caller`, else a new wrapper), then serially:
+    the outputs are bitwise equal and the events in order (AssertionError if not)."""
     rec = Record(manager, serial=False)
-    output = run_overlapped(schedule, rec)
+    output = (caller or OverlappedCaller(schedule.num_ubatches))(schedule, rec)
     check_events(schedule, rec)
     reference = run_serial(schedule, manager)
     if not torch.equal(output, reference):

@@ -5,11 +5,23 @@ workspace bytes survive the other ubatches' turns, and the turns follow the ring
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+import torch
 from _stress import size
-from _ubatch_programs import KINDS, Op, Schedule, check_schedule, expected_turns, schedules
+from _ubatch_programs import (
+    KINDS,
+    Op,
+    Record,
+    Schedule,
+    check_events,
+    check_schedule,
+    expected_turns,
+    schedules,
+)
 from hypothesis import HealthCheck, given, settings
 
 import workspace
@@ -72,3 +84,43 @@ def test_expected_turns_go_round_the_ring_skipping_finished_ubatches() -> None:
         (0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2),
     ]
     assert expected_turns([0, 3]) == [(0, 0), (1, 0), (1, 1), (1, 2), (1, 3)]  # left alone
+
+
+class _OneBufferForAll:
+    """A broken workspace that gives every ubatch views of the same bytes."""
+
+    capacity_bytes = 1 << 20
+
+    def __init__(self) -> None:
+        self._buffer = torch.zeros(self.capacity_bytes, dtype=torch.uint8)
+
+    def get_simultaneous(self, *requests: tuple[tuple[int, ...], torch.dtype]) -> list[Any]:
+        views, offset = [], 0
+        for shape, dtype in requests:
+            num_bytes = math.prod(shape) * dtype.itemsize
+            views.append(self._buffer[offset:offset + num_bytes].view(dtype).view(shape))
+            offset += -(-num_bytes // 256) * 256
+        return views
+
+
+def test_the_checks_catch_ubatches_that_share_workspace_bytes() -> None:
+    program = (Op("workspace", 2),)
+    with pytest.raises(AssertionError, match="workspace bytes changed across a yield"):
+        check_schedule(Schedule((program, program), 4, 0), _OneBufferForAll())  # type: ignore[arg-type]
+
+
+def test_the_checks_catch_turns_out_of_ring_order_and_a_hook_in_the_wrong_ubatch() -> None:
+    schedule = Schedule(((Op("yield"),), (Op("yield"),)), 2, 0)
+    rec = Record(workspace.WorkspaceManager("cpu", 2), serial=False)
+    rec.threads = {0: -1, 1: -2}
+    rec.events = [("turn", 0, 0), ("turn", 0, 1), ("turn", 1, 0), ("turn", 1, 1)]
+    with pytest.raises(AssertionError, match="ring order"):
+        check_events(schedule, rec)
+    rec.events = [("turn", 0, 0), ("reg", 0, 0), ("hook", 0, 0, 0), ("turn", 1, 0),
+                  ("turn", 0, 1), ("turn", 1, 1)]
+    with pytest.raises(AssertionError, match="ran in ubatch 0, not 1"):
+        check_events(schedule, rec)
+    rec.events = [("turn", 0, 0), ("reg", 0, 0), ("turn", 1, 0), ("turn", 0, 1),
+                  ("turn", 1, 1)]
+    with pytest.raises(AssertionError, match="never ran"):
+        check_events(schedule, rec)
