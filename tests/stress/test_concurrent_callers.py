@@ -19,8 +19,8 @@ pytestmark = pytest.mark.stress
 
 CALLER_UBATCHES = (2, 3, 4, 2)
 CALLS_PER_CALLER = 8
-EXAMPLES = size(12, 3000)
-"""Rounds of concurrent calls: 12 x 4 x 8 = 384 schedules bounded, 96,000 long."""
+EXAMPLES = size(24, 3200)
+"""Rounds of concurrent calls: 24 x 4 x 8 = 768 schedules bounded, 102,400 long."""
 JOIN_TIMEOUT_S = 60.0
 
 class _InFlight:

@@ -23,13 +23,14 @@ from _ubatch_programs import (
     schedules,
 )
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import workspace
 
 pytestmark = pytest.mark.stress
 
-SCHEDULES_PER_COUNT = {2: size(700, 34_000), 3: size(650, 33_000), 4: size(650, 33_000)}
-"""Schedules per ubatch count: 2,000 bounded, 100,000 long."""
+SCHEDULES_PER_COUNT = size(670, 33_400)
+"""Schedules per ubatch count (2, 3 and 4): 2,010 bounded, 100,200 long."""
 
 _SETTINGS = dict(
     derandomize=True,  # the same schedules on every run: a failure reproduces
@@ -54,19 +55,15 @@ def _fresh_manager(num_ubatches: int) -> workspace.WorkspaceManager:
     return workspace.init_workspace_manager("cpu", num_ubatches)
 
 
-def _schedule_test(num_ubatches: int):  # type: ignore[no-untyped-def]
-    @pytest.mark.timeout(size(120, 6 * 3600))
-    @settings(max_examples=SCHEDULES_PER_COUNT[num_ubatches], **_SETTINGS)
-    @given(schedule=schedules(num_ubatches))
-    def test(fresh_manager: None, schedule: Schedule) -> None:
-        check_schedule(schedule, _fresh_manager(num_ubatches))
-
-    return test
-
-
-test_random_schedules_of_2_ubatches = _schedule_test(2)
-test_random_schedules_of_3_ubatches = _schedule_test(3)
-test_random_schedules_of_4_ubatches = _schedule_test(4)
+@pytest.mark.timeout(size(120, 6 * 3600))
+@pytest.mark.parametrize("num_ubatches", [2, 3, 4])
+@settings(max_examples=SCHEDULES_PER_COUNT, **_SETTINGS)
+@given(data=st.data())
+def test_random_schedules_match_the_serial_run(
+    fresh_manager: None, num_ubatches: int, data: st.DataObject
+) -> None:
+    schedule = data.draw(schedules(num_ubatches), label="schedule")
+    check_schedule(schedule, _fresh_manager(num_ubatches))
 
 
 @pytest.mark.timeout(60)
@@ -78,6 +75,7 @@ def test_every_op_kind_in_one_schedule_of_each_ubatch_count(fresh_manager: None)
         check_schedule(Schedule(programs, 3 * num_ubatches + 1, 7), _fresh_manager(num_ubatches))
 
 
+@pytest.mark.timeout(10)
 def test_expected_turns_go_round_the_ring_skipping_finished_ubatches() -> None:
     assert expected_turns([0, 0]) == [(0, 0), (1, 0)]
     assert expected_turns([2, 0, 1]) == [
@@ -103,12 +101,14 @@ class _OneBufferForAll:
         return views
 
 
+@pytest.mark.timeout(30)
 def test_the_checks_catch_ubatches_that_share_workspace_bytes() -> None:
     program = (Op("workspace", 2),)
     with pytest.raises(AssertionError, match="workspace bytes changed across a yield"):
         check_schedule(Schedule((program, program), 4, 0), _OneBufferForAll())  # type: ignore[arg-type]
 
 
+@pytest.mark.timeout(30)
 def test_the_checks_catch_turns_out_of_ring_order_and_a_hook_in_the_wrong_ubatch() -> None:
     schedule = Schedule(((Op("yield"),), (Op("yield"),)), 2, 0)
     rec = Record(workspace.WorkspaceManager("cpu", 2), serial=False)
