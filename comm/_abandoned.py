@@ -1,49 +1,37 @@
-"""Collectives left in flight by an aborted ubatch, settled before the process ends.
-
-An aborted ubatch never waits its in-flight collective (the error reaches the caller at
-once), but gloo still runs it, and a process that exits meanwhile ends in SIGABRT. Such
-a collective is kept here until `settle()` (at exit, in `comm.destroy_distributed`) sees
-it over, waiting a bounded time. gloo only: NCCL's teardown handles its own collectives
-(keeping them would keep their GPU tensors). A forked child starts with an empty list.
+"""Collectives left in flight by an aborted ubatch (gloo only: NCCL's teardown handles its
+own), kept until `settle()` sees them over: at exit (`dbo.runner.wait_at_exit`) and in
+`comm.destroy_distributed`. The error reaches the caller at once, but gloo still runs
+them, and a process that ends meanwhile ends in SIGABRT. A forked child keeps none.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
 from typing import Any
 
-EXIT_WAIT_S = 30.0
-"""The longest `settle()` waits at exit for abandoned collectives (seconds)."""
+from dbo.runner import wait_at_exit
 
 _lock = threading.Lock()
 _works: list[Any] = []
-_settle_at_exit_registered = False
 
 
 def abandon(work: Any) -> None:
     """Keep `work` (a torch.distributed Work still in flight) until `settle()`."""
-    global _settle_at_exit_registered
     if is_over(work):
         return
     with _lock:
         _works[:] = [kept for kept in _works if not is_over(kept)]
         _works.append(work)
-        if not _settle_at_exit_registered:
-            atexit.register(settle)
-            _settle_at_exit_registered = True
+    wait_at_exit(settle)
 
 
-def settle(timeout_s: float = EXIT_WAIT_S) -> int:
-    """Wait until every abandoned collective is over, at most `timeout_s` seconds.
-
-    Returns how many are still in flight (kept for a later call). Never raises: an
-    abandoned collective's failure is the reason, or a consequence, of the abort.
-    """
-    # The list is filtered in place while polled: a Ctrl-C here must not lose what the
-    # exit-time settle still waits for.
+def settle(timeout_s: float = 30.0) -> int:
+    """Wait until every abandoned collective is over, at most `timeout_s` seconds; return
+    how many are still in flight (kept for a later call). Never raises: an abandoned
+    collective's failure is the reason, or a consequence, of the abort."""
+    # Filtered in place: a Ctrl-C here keeps what the exit wait still has to wait for.
     deadline = time.monotonic() + timeout_s
     while True:
         with _lock:

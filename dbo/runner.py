@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import atexit
 import enum
-import functools
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,7 +23,6 @@ from dbo._checks import check_num_ubatches, lock_timeout
 from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
-from dbo.baton import Baton
 from dbo.device import DeviceBackend, backend_for
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
@@ -32,33 +31,44 @@ _Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 _ABORT_GRACE_S = 0.5
 """How long an aborted run's ubatches get to unwind before the runner is left broken."""
 
-EXIT_WAIT_S = 30.0
-"""At exit, how long to wait in all for the ubatches that aborted runs left running: a
-daemon thread inside a torch op at finalization would end the process in SIGABRT."""
+EXIT_WAIT_S = 2.0
+"""At exit, how long to wait in all for what aborted runs left running (`wait_at_exit`)."""
 
-_left_running: list[Baton] = []
-"""Batons of aborted runs whose ubatches had not all ended; waited for at exit."""
+_left_running: list[Callable[[float], object]] = []
+"""`wait_at_exit`'s callables still running (ended ones are dropped: a run holds eventfds)."""
 _left_running_lock = threading.Lock()
 
 
-def _remember_left_running(baton: Baton) -> None:
-    """Keep `baton` for the exit wait, dropping those whose ubatches have all ended
-    (each holds its workers' wake-ups, file descriptors on Linux)."""
+def wait_at_exit(still_running: Callable[[float], object]) -> None:
+    """Have the exit wait (atexit: after threading joins the non-daemon threads, before
+    finalization kills the daemon ones: SIGABRT inside a torch op) wait for `still_running(s)`,
+    which waits up to s seconds and is truthy while it runs. Past `EXIT_WAIT_S` in all, the
+    process says so and ends unfinalized: by SIGINT after an uncaught KeyboardInterrupt (as
+    CPython would), else with status 1, whatever status the program was exiting with."""
     with _left_running_lock:
-        _left_running[:] = [kept for kept in _left_running if not kept.wait_done(0)]
-        _left_running.append(baton)
-    _wait_for_left_running_at_exit()
+        kept = [it for it in _left_running if it is not still_running and it(0)]
+        _left_running[:] = [*kept, still_running]
+    atexit.unregister(_wait_at_exit)  # once, and before the handlers registered earlier
+    atexit.register(_wait_at_exit)
 
 
-@functools.cache
-def _wait_for_left_running_at_exit() -> None:
-    atexit.register(_wait_for_left_running)
-
-
-def _wait_for_left_running() -> None:
+def _wait_at_exit() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
-    for baton in list(_left_running):
-        baton.wait_done(max(0.0, deadline - time.monotonic()))
+    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    try:
+        if not any(it(max(0.0, deadline - time.monotonic())) for it in list(_left_running)):
+            return
+    except KeyboardInterrupt:  # Ctrl-C again: stop waiting
+        interrupted = True
+    try:
+        sys.stdout.flush()
+        print(f"dbo: a ubatch or collective of an aborted run still runs {EXIT_WAIT_S} s "
+              "into the exit; the process ends now, without finalization", file=sys.stderr)
+    finally:
+        if interrupted:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(130 if interrupted else 1)
 
 
 def reset_after_fork() -> None:
@@ -403,7 +413,7 @@ class UBatchRunner:
             run.drop_leftovers()
             self._join_streams(run)
             return
-        _remember_left_running(run.baton)
+        wait_at_exit(lambda s: not run.baton.wait_done(s))
         # Best effort: the caller's stream waits for what the ubatches enqueued so far,
         # so that it does not reuse the inputs under their kernels.
         for ubatch_streams in run.streams:
