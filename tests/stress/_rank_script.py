@@ -104,7 +104,7 @@ def fault_main() -> None:
     try:
         step(x)
     except BaseException as error:
-        record("raised", error=type(error).__name__, message=str(error)[:300])
+        record("raised", error=type(error).__name__, message=str(error)[:4000])
         raise
     finally:
         if SPEC.get("destroy"):  # as examples/_harness.py does

@@ -130,11 +130,10 @@ def test_a_ubatch_stuck_at_exit_ends_the_process_unfinalized_with_its_status(
 FAULTS = ("raise", "exit", "sigkill", "stall", "sigint")
 FAULTY_RANK = 1
 _CASES: list[Any] = [pytest.param(2, fault, id=f"2ranks-{fault}") for fault in FAULTS]
-_CASES += [pytest.param(4, "stall", id="4ranks-stall")]
-_CASES += [
-    pytest.param(4, fault, id=f"4ranks-{fault}",
-                 marks=pytest.mark.skipif(not LONG, reason="DBO_STRESS=long"))
-    for fault in FAULTS if fault != "stall"
+_CASES += [  # 4 ranks: two faults in the bounded run, all under DBO_STRESS=long
+    pytest.param(4, fault, id=f"4ranks-{fault}", marks=() if fault in ("stall", "sigkill")
+                 else pytest.mark.skipif(not LONG, reason="DBO_STRESS=long"))
+    for fault in FAULTS
 ]
 
 
@@ -179,6 +178,9 @@ def _check_world(fault: str, spec: dict[str, Any], ranks: list[RankRun]) -> list
                 run.rank != FAULTY_RANK
             ), context
         unfinalized = UNFINALIZED in run.stderr
+        if fault != "stall" and run.events["raised"]["error"] == "OverlapTimeoutError":
+            # Slower than a dead peer should be (still within the bound): show where it was.
+            print(f"\n[rank {run.rank}, {fault}] the watchdog fired:\n{run.events['raised']}")
         figures.append(
             f"rank {run.rank}: {run.events['raised']['error']} {error_after:.2f} s after the "
             f"fault, exit {exit_after:.2f} s later (status {run.returncode}"
