@@ -95,6 +95,10 @@ def _fn(case: Case, fault_at: list[float]) -> Any:
 
 
 def _sigint_soon(fault_at: list[float]) -> threading.Timer:
+    """SIGINT to this process in 0.1 s (Python's handler installed: a background job may
+    start with SIGINT ignored); the caller restores the previous handler."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def send() -> None:
         fault_at.append(time.perf_counter())
         os.kill(os.getpid(), signal.SIGINT)
@@ -156,6 +160,7 @@ def check(case: Case, baseline: set[threading.Thread]) -> None:
     )
     x = torch.arange(4.0 * case.num_ubatches).reshape(2 * case.num_ubatches, 2)
     expected_type = KeyboardInterrupt if case.kind in ("ubatch_kbd", "sigint") else Injected
+    previous_handler = signal.getsignal(signal.SIGINT)
     timer = _sigint_soon(fault_at) if case.kind == "sigint" else None
     try:
         step(x)
@@ -170,6 +175,7 @@ def check(case: Case, baseline: set[threading.Thread]) -> None:
     finally:
         if timer is not None:
             timer.join(5.0)
+            signal.signal(signal.SIGINT, previous_handler)
     assert len(fault_at) == 1, (case, fault_at)
     delay = caught_at - fault_at[0]
     assert delay < MAX_DELAY_S, f"{case.id}: the caller raised {delay:.3f} s after the fault"

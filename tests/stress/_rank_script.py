@@ -94,6 +94,7 @@ def _faulty_forward(fault: str | None) -> Any:
 
 
 def fault_main() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     start_together()
     comm.init_distributed(timeout_s=SPEC["group_timeout_s"])
     x = torch.randn(4 * WORLD, 8)

@@ -72,6 +72,7 @@ import torch
 import dbo, dbo.runner
 
 mode = sys.argv[1]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
 dbo.runner.EXIT_WAIT_S = 30.0 if mode == "ctrl-c-again" else 1.0
 stuck = lambda x: time.sleep(3600) if dbo.current_ubatch_id() == 0 else x
 try:
