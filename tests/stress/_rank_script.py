@@ -63,6 +63,10 @@ def _inject(fault: str) -> None:
     """The fault, on the faulty rank, in ubatch 1, before the collective of layer 2."""
     if fault == "raise":
         raise InjectedFailure(f"rank {RANK} fails on purpose")
+    if fault == "sigint":  # a Ctrl-C once this ubatch is blocked in the collective
+        interrupt = lambda: (record("fault"), os.kill(os.getpid(), signal.SIGINT))  # noqa: E731
+        threading.Timer(SPEC["sigint_after_s"], interrupt).start()
+        return
     record("fault")
     if fault == "exit":
         os._exit(7)
@@ -70,8 +74,6 @@ def _inject(fault: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "stall":
         time.sleep(3600)
-    elif fault == "sigint":  # a Ctrl-C once this ubatch is blocked in the collective
-        threading.Timer(SPEC["sigint_after_s"], os.kill, (os.getpid(), signal.SIGINT)).start()
 
 
 def _faulty_forward(fault: str | None) -> Any:
