@@ -311,7 +311,8 @@ class UBatchRunner:
         inputs = list(ubatch_inputs)
         if len(inputs) != self.num_ubatches:
             raise ValueError(
-                f"this runner has {self.num_ubatches} ubatches but got {len(inputs)} inputs"
+                "ubatch_inputs must hold one (args_tuple, kwargs_dict) pair per ubatch: this "
+                f"runner has {self.num_ubatches} ubatches, got {len(inputs)}"
             )
         for index, item in enumerate(inputs):
             if not is_ubatch_input(item):
