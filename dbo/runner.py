@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import logging
 import math
 import os
 import signal
@@ -62,8 +63,9 @@ def _wait_at_exit() -> None:
         interrupted = True
     try:
         sys.stdout.flush()
-        print(f"dbo: a ubatch or collective of an aborted run still runs {EXIT_WAIT_S} s "
-              "into the exit; the process ends now, without finalization", file=sys.stderr)
+        logging.shutdown()  # the atexit handlers registered before this one do not run
+        print(f"dbo: a ubatch or collective of an aborted run still runs {EXIT_WAIT_S} s into "
+              "the exit; the process ends now, without finalization", file=sys.stderr, flush=True)
     finally:
         if interrupted:
             signal.signal(signal.SIGINT, signal.SIG_DFL)

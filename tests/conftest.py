@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import comm
+import dbo.runner
 import workspace
 from comm.distributed import TORCHRUN_ENV_VARS
 
@@ -20,6 +22,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running() -> Iterator[None]:
+    """Every test ends with no ubatch or collective of an aborted run still running: the
+    exit wait would otherwise end the pytest process with status 1, blaming no test."""
+    yield
+    deadline = time.monotonic() + 10.0
+    while any(still_running(0) for still_running in dbo.runner._left_running):
+        if time.monotonic() > deadline:
+            pytest.fail("an aborted run's ubatch or collective still runs 10 s after the test")
+        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -144,7 +144,7 @@ def _spec(fault: str, destroy: bool) -> dict[str, Any]:
     timeout_s = 2.0 if fault == "stall" else 5.0
     return dict(
         fault=fault, faulty_rank=FAULTY_RANK, timeout_s=timeout_s, group_timeout_s=30.0,
-        sigint_after_s=0.3, peers_late_s=0.3 + 0.5 + dbo.runner.EXIT_WAIT_S + 0.7,
+        sigint_after_s=0.3, peers_late_s=0.3 + 0.5 + dbo.runner.EXIT_WAIT_S + 2.0,
         destroy=destroy,
     )
 
