@@ -35,8 +35,7 @@ _ABORT_GRACE_S = 0.5
 EXIT_WAIT_S = 2.0
 """At exit, how long to wait in all for what aborted runs left running (`wait_at_exit`)."""
 
-_left_running: list[Callable[[float], object]] = []
-"""`wait_at_exit`'s callables still running (ended ones are dropped: a run holds eventfds)."""
+_left_running: list[Callable[[float], object]] = []  # `wait_at_exit`'s, still running
 _left_running_lock = threading.Lock()
 
 
@@ -55,7 +54,8 @@ def wait_at_exit(still_running: Callable[[float], object]) -> None:
 
 def _wait_at_exit() -> None:
     deadline = time.monotonic() + EXIT_WAIT_S
-    interrupted = isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
+    last = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)  # not a prompt's
+    interrupted = isinstance(last, KeyboardInterrupt)
     try:
         if not any(it(max(0.0, deadline - time.monotonic())) for it in list(_left_running)):
             return
