@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,9 @@ import torch.distributed as dist
 
 import comm
 import dbo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from _spawn import start_together  # noqa: E402 - the same barrier as the spawned tests
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -41,21 +43,6 @@ class InjectedFailure(RuntimeError):
 def record(event: str, **fields: Any) -> None:
     with open(OUT_DIR / f"rank{RANK}.jsonl", "a") as file:
         file.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
-
-
-def start_together(timeout_s: float = 120.0) -> None:
-    """Wait until every rank has imported torch: the short timeouts below must not
-    count the others' start-up."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    store.add("started", 1)
-    deadline = time.monotonic() + timeout_s
-    while store.add("started", 0) < WORLD:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not every rank started within {timeout_s} s")
-        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------- fault
@@ -97,7 +84,7 @@ def _faulty_forward(fault: str | None) -> Any:
 
 def fault_main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
-    start_together()
+    start_together(timeout_s=120.0)
     comm.init_distributed(timeout_s=SPEC["group_timeout_s"])
     x = torch.randn(4 * WORLD, 8)
     _faulty_forward(None)(x)  # every connection is up
@@ -201,7 +188,7 @@ def _one_step(
 
 
 def stress_main() -> None:
-    start_together()
+    start_together(timeout_s=120.0)
     comm.init_distributed(timeout_s=60)
     torch.set_default_dtype(torch.float64)
     hidden, mismatches, kinds = 4, [], {kind: 0 for kind in KINDS}
@@ -238,7 +225,7 @@ def leak_main() -> None:
     the first of its kind; the RSS, threads and workspace capacity at `SPEC["sample_at"]`."""
     import workspace
 
-    start_together()
+    start_together(timeout_s=120.0)
     comm.init_distributed(timeout_s=60)
     manager = workspace.WorkspaceManager(torch.device("cpu"), num_ubatches=4)
 
