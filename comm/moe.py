@@ -33,7 +33,10 @@ import dbo
 from comm._checks import require_same_device, require_tensor, resolve_group
 from comm.collectives import CollectiveWork, all_reduce, all_to_all_single
 
-__all__ = ["DispatchHandle", "combine", "dispatch", "shard_experts"]
+__all__ = [
+    "DispatchHandle", "FixedDispatchHandle", "combine", "combine_fixed", "dispatch",
+    "dispatch_fixed", "shard_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -77,44 +80,52 @@ def dispatch(
     `[0, E_local)`; `handle` for `combine`.
 
     Inside an overlap the all-to-alls run on the ubatch's comm stream; the results are
-    ready on its compute stream on return. On CUDA the split sizes are read on the host
-    (two synchronizations). TypeError / ValueError before any communication for a bad
-    shape, dtype, device, `num_experts` or expert id (the others wait for the timeout).
+    ready on its compute stream on return. The split sizes are read on the host once,
+    after the counts exchange (one synchronization on CUDA). TypeError / ValueError
+    before any communication for a bad shape, dtype, device or `num_experts`; an
+    expert id outside `[0, num_experts)` on any rank raises ValueError on every rank
+    after the counts exchange. Under CUDA-graph capture use `dispatch_fixed`.
     """
     base = resolve_group(group)
     world_size = base.size()
-    x, topk_ids, num_experts = _check_dispatch(x, topk_ids, num_experts, world_size)
+    x, topk_ids, num_experts = check_dispatch(x, topk_ids, num_experts, world_size)
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    # Clamped only so that the count runs (out-of-range ids raise below); scatter_add_
-    # rather than bincount, which synchronizes on CUDA.
+    bad_ids = ((flat_ids < 0) | (flat_ids >= num_experts)).any()
+    # Clamped only so that the count runs (bad ids raise below, on every rank);
+    # scatter_add_ rather than bincount, which synchronizes on CUDA.
     clamped_ids = flat_ids.clamp(0, num_experts - 1)
     counts_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts_per_expert.scatter_add_(0, clamped_ids, torch.ones_like(clamped_ids))  # [E]
-    send_splits = _send_splits(flat_ids, counts_per_expert, num_experts, world_size)
     sort_order = torch.argsort(flat_ids, stable=True)
     send_rows = x.index_select(0, torch.div(sort_order, topk, rounding_mode="floor"))
 
-    # Rank r sends counts_per_expert[r * E_local:(r + 1) * E_local] to rank r.
-    recv_counts = torch.empty_like(counts_per_expert)
-    all_to_all_single(recv_counts, counts_per_expert, group=base)
-    recv_counts_host = recv_counts.view(world_size, num_local_experts).cpu()
-    recv_splits = recv_counts_host.sum(dim=1).tolist()
+    # Rank r gets counts_per_expert[r * E_local:(r + 1) * E_local] and every rank's flag.
+    counts_table = counts_per_expert.view(world_size, num_local_experts)
+    received, _ = exchange_counts(counts_table, bad_ids, base)
+    # The one host read, after the counts exchange (which yields inside an overlap, so
+    # the other ubatch's work is queued before this thread waits): splits both ways.
+    # Row s: the rows rank s sends to each local expert, its flag, the rows for rank s.
+    rows = torch.cat([received, counts_table.sum(dim=1, keepdim=True)], dim=1).tolist()
+    raise_if_bad_ids([row[-2] for row in rows], 0, num_experts)
+    send_splits = [row[-1] for row in rows]
+    recv_counts = [row[:-2] for row in rows]
+    recv_splits = [sum(counts) for counts in recv_counts]
 
-    recv_x, order_token = _exchange_rows(send_rows, tuple(recv_splits), tuple(send_splits), base)
+    recv_x, order_token = exchange_rows(send_rows, tuple(recv_splits), tuple(send_splits), base)
     recv_local_expert_ids = torch.repeat_interleave(
         torch.arange(num_local_experts, device=x.device).repeat(world_size),
-        recv_counts.view(-1), output_size=recv_x.shape[0],
+        received[:, :-1].reshape(-1), output_size=recv_x.shape[0],
     )
     handle = DispatchHandle(
         base, num_tokens, topk, num_local_experts, sort_order, tuple(send_splits),
-        tuple(recv_splits), recv_counts_host, order_token,
+        tuple(recv_splits), torch.tensor(recv_counts, dtype=torch.int64), order_token,
     )
     return recv_x, recv_local_expert_ids, handle
 
 
-def _check_dispatch(
+def check_dispatch(
     x: Any, topk_ids: Any, num_experts: Any, world_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     x = require_tensor("x", x)
@@ -133,24 +144,28 @@ def _check_dispatch(
     return x, topk_ids, num_experts
 
 
-def _send_splits(
-    flat_ids: torch.Tensor, counts_per_expert: torch.Tensor, num_experts: int, world_size: int
-) -> list[int]:
-    """Rows for each rank, read on the host with the ids' range check (ValueError), in
-    one host read (one synchronization on CUDA)."""
-    if flat_ids.numel() == 0:
-        return [0] * world_size
-    counts_per_rank = counts_per_expert.view(world_size, -1).sum(dim=1)
-    low, high = torch.aminmax(flat_ids)
-    low_value, high_value, *send_splits = torch.cat(
-        [low.view(1), high.view(1), counts_per_rank]
-    ).tolist()
-    if low_value < 0 or high_value >= num_experts:
+def exchange_counts(
+    counts_table: torch.Tensor, bad_ids: torch.Tensor, group: dist.ProcessGroup,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, CollectiveWork | None]:
+    """Send row r of `counts_table` [W, E_local] to rank r, with this rank's bad-id flag
+    (a bool scalar) as one more column: `(received [W, E_local + 1], work)`, row s from
+    rank s, its flag last. Even splits: no host read."""
+    flags = bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)
+    sent = torch.cat([counts_table, flags], dim=1)
+    received = torch.empty_like(sent)
+    return received, all_to_all_single(received, sent, group=group, async_op=async_op)
+
+
+def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
+    """ValueError on every rank when any rank's flag is set: every rank read the same
+    flags from the counts exchange, so none is left waiting in the next collective."""
+    bad_ranks = [rank for rank, flag in enumerate(flags) if flag]
+    if bad_ranks:
         raise ValueError(
-            f"topk_ids must be in [0, num_experts) = [0, {num_experts}), got values in "
-            f"[{low_value}, {high_value}]"
+            f"topk_ids must be in [{low}, num_experts) = [{low}, {num_experts}); the group's "
+            f"rank(s) {bad_ranks} passed expert ids outside it"
         )
-    return send_splits
 
 
 def combine(
@@ -166,18 +181,24 @@ def combine(
     communication for bad shapes or dtypes.
     """
     expert_out, topk_weights = _check_combine(expert_out, handle, topk_weights)
-    hidden = int(expert_out.shape[1])
     anchor = handle.order_token
-    if anchor is None and torch.is_grad_enabled() and not _run_has_order_token():
+    if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
         anchor = _agree_on_grad(expert_out, handle.group)
-    returned, _ = _exchange_rows(
+    returned, _ = exchange_rows(
         expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor
     )
     # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
     per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
-    dtype = torch.promote_types(expert_out.dtype, topk_weights.dtype)
-    pairs = per_pair.view(handle.num_tokens, handle.topk, hidden).to(dtype)
-    return (pairs * topk_weights.to(dtype).unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
+    return weighted_sum(per_pair, topk_weights)
+
+
+def weighted_sum(per_pair: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """`y[t] = sum_k w[t, k] * per_pair[t * K + k]`: [T, H] in `per_pair`'s dtype, summed
+    over k in order in the promoted dtype."""
+    num_tokens, topk = topk_weights.shape
+    dtype = torch.promote_types(per_pair.dtype, topk_weights.dtype)
+    pairs = per_pair.view(num_tokens, topk, per_pair.shape[1]).to(dtype)
+    return (pairs * topk_weights.to(dtype).unsqueeze(-1)).sum(dim=1).to(per_pair.dtype)
 
 
 def _check_combine(
@@ -210,10 +231,11 @@ def _check_combine(
     return expert_out, topk_weights
 
 
+Splits = tuple[int, ...] | None  # rows to/from each rank; None: equal parts
 _ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.run_state()` key: the run's latest token
 
 
-def _run_has_order_token() -> bool:
+def run_has_order_token() -> bool:
     state = dbo.run_state()
     return state is not None and state.get(_ORDER_TOKEN_KEY) is not None
 
@@ -231,8 +253,8 @@ def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return torch.zeros(0, dtype=torch.float32, device=expert_out.device, requires_grad=True)
 
 
-def _exchange_rows(
-    rows: torch.Tensor, output_splits: tuple[int, ...], input_splits: tuple[int, ...],
+def exchange_rows(
+    rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
     group: dist.ProcessGroup, anchor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`. Through
@@ -261,14 +283,16 @@ def _exchange_rows(
 
 
 def _send_rows(
-    rows: torch.Tensor, output_splits: tuple[int, ...], input_splits: tuple[int, ...],
+    rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
     group: dist.ProcessGroup, async_op: bool = False,
 ) -> tuple[torch.Tensor, CollectiveWork | None]:
     """The row all-to-all: `rows` out by `input_splits`, `(received, handle)` in by
-    `output_splits`; the handle is None unless `async_op`."""
-    received = rows.new_empty((sum(output_splits), *rows.shape[1:]))
+    `output_splits` (None: equal parts, as many rows in as out); the handle is None
+    unless `async_op`."""
+    num_rows = rows.shape[0] if output_splits is None else sum(output_splits)
+    received = rows.new_empty((num_rows, *rows.shape[1:]))
     work = all_to_all_single(
-        received, rows.contiguous(), list(output_splits), list(input_splits), group=group,
+        received, rows.contiguous(), output_splits, input_splits, group=group,
         async_op=async_op,
     )
     return received, work
@@ -286,8 +310,8 @@ class _ExchangeRows(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, rows: torch.Tensor, output_splits: tuple[int, ...],
-        input_splits: tuple[int, ...], group: dist.ProcessGroup,
+        ctx: Any, rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
+        group: dist.ProcessGroup,
         pending: list[CollectiveWork] | None, *tokens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.splits = (output_splits, input_splits)
@@ -337,4 +361,6 @@ def _check_num_experts(num_experts: Any, world_size: int) -> int:
     return value
 
 
-from comm._hf import shard_experts  # noqa: E402 - it builds on dispatch/combine above
+# Last: both build on the names above.
+from comm._hf import shard_experts  # noqa: E402
+from comm._moe_fixed import FixedDispatchHandle, combine_fixed, dispatch_fixed  # noqa: E402
