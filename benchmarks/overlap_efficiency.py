@@ -18,13 +18,13 @@ same rounds (the same loop on a zero-latency link), not taken from the nominal c
 matmuls' real duration drifts with the machine's load. Rounds interleave compute-only,
 serial and DBO runs; the table shows medians and the measured c.
 
-On CUDA the compute is larger matmuls on the ubatch's compute stream and a transfer is
-`EmulatedLink`'s sleep kernel on its comm stream; the host only enqueues, and times are
-taken after `torch.cuda.synchronize()`. Transfers on different comm streams can run at
-the same time there (the link is FIFO per stream, not across), so "hidden" may pass 1;
-and matmuls too small to fill the GPU run concurrently on the two compute streams, which
-shows up as "hidden" communication that is really concurrent compute. Read the CUDA
-rows as a check that the streams overlap, not as a measure of DBO on a real link.
+On CUDA the compute is bf16 GEMMs (`--dtype`) large enough to fill an H100/H200 on the
+ubatch's compute stream, and a transfer is `EmulatedLink`'s sleep kernel on its comm
+stream; the host only enqueues, and times are taken after `torch.cuda.synchronize()`.
+The GPU is warmed up before the link is calibrated (its clock rises under load, and the
+sleep kernel counts clock cycles), and m is measured like c (a transfer-only loop in the
+same rounds). Transfers on different comm streams run at the same time (the link is FIFO
+per stream), so rows with m > c may pass 1; at c = m the ideal is the same either way.
 
 `--compare-pinning` also times DBO with the caller's thread pinned to one CPU in the
 same rounds (`dbo.overlap` then uses ubatch threads created on that CPU): every handoff
@@ -49,8 +49,9 @@ import torch
 import dbo
 from comm import EmulatedLink
 
-MATMUL_SIZE = {"cpu": 96, "cuda": 1024}
-"""Square matmul size per device type: small enough that c is made of many of them."""
+MATMUL_SHAPE = {"cpu": (96, 96, 96), "cuda": (4096, 1024, 4096)}
+"""(M, K, N) of one matmul per device type: small enough that c is made of several, and
+on CUDA large enough to fill the GPU (so that the two compute streams do not overlap)."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -72,14 +73,30 @@ def calibrate_matmuls(target_s: float, a: torch.Tensor, b: torch.Tensor) -> int:
     return max(1, round(target_s / per_matmul))
 
 
+def operands(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two operands of one matmul on `device` (MATMUL_SHAPE)."""
+    m, k, n = MATMUL_SHAPE[device.type]
+    a = torch.randn(m, k, device=device).to(dtype)
+    return a, (torch.randn(k, n, device=device) / k).to(dtype)
+
+
+def warm_up_gpu(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) -> None:
+    """Run matmuls for `seconds`, so that the GPU's clock has risen before calibrating."""
+    a, b = operands(device, dtype)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            torch.mm(a, b)
+        synchronize(device)
+
+
 def make_layer_loop(
-    num_layers: int, num_matmuls: int, link: EmulatedLink, device: torch.device
+    num_layers: int, num_matmuls: int, link: EmulatedLink, device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The model: per layer, compute then a transfer. The same code runs serially and in
     an overlap (every dbo call is a no-op outside one)."""
-    size = MATMUL_SIZE[device.type]
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device) / size
+    a, b = operands(device, dtype)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for _ in range(num_layers):
@@ -104,12 +121,14 @@ def measure(
     num_matmuls: int,
     device: torch.device,
     compare_pinning: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, float]:
     link = EmulatedLink(latency_s=m_ms / 1000)
     if device.type == "cuda":
         link.calibrate(device)  # not inside the first overlapped round
-    compute_only_fn = make_layer_loop(num_layers, num_matmuls, EmulatedLink(0.0), device)
-    serial_fn = make_layer_loop(num_layers, num_matmuls, link, device)
+    compute_only_fn = make_layer_loop(num_layers, num_matmuls, EmulatedLink(0.0), device, dtype)
+    serial_fn = make_layer_loop(num_layers, num_matmuls, link, device, dtype)
+    transfer_only_fn = make_layer_loop(num_layers, 0, link, device, dtype)
     dbo_fn = dbo.overlap(serial_fn, num_ubatches=num_ubatches)
     x = torch.zeros(num_ubatches * 64, 256, device=device)
     parts = torch.tensor_split(x, num_ubatches)
@@ -132,9 +151,11 @@ def measure(
         finally:
             os.sched_setaffinity(0, cpus)
 
-    compute_times, serial_times, dbo_times, pinned_times = [], [], [], []
+    compute_times, serial_times, dbo_times, pinned_times, transfer_times = [], [], [], [], []
     for _ in range(rounds):
         compute_times.append(timed(lambda: [compute_only_fn(p) for p in parts]))
+        if device.type == "cuda":  # the sleep kernel's length follows the GPU's clock
+            transfer_times.append(timed(lambda: [transfer_only_fn(p) for p in parts]))
         serial_times.append(timed(lambda: [serial_fn(p) for p in parts]))
         dbo_times.append(timed(lambda: dbo_fn(x)))
         if compare_pinning:
@@ -144,13 +165,16 @@ def measure(
     t_serial, t_dbo = statistics.median(serial_times), statistics.median(dbo_times)
     total_c = statistics.median(compute_times)
     c = total_c / (num_layers * num_ubatches)
-    m = m_ms / 1000
+    m = m_ms / 1000  # a CPU transfer lasts exactly m: a timer
+    if transfer_times:
+        m = statistics.median(transfer_times) / (num_layers * num_ubatches)
     total_m = m * num_layers * num_ubatches
     t_ideal = max(total_c, total_m) + min(c, m)
     t_pinned = statistics.median(pinned_times) if pinned_times else float("nan")
     return {
         "hidden_pinned": (t_serial - t_pinned) / (t_serial - t_ideal),
         "c_ms": c * 1000,
+        "m_real_ms": m * 1000,
         "serial_ms": t_serial * 1000,
         "dbo_ms": t_dbo * 1000,
         "ideal_ms": t_ideal * 1000,
@@ -183,6 +207,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"),
+        help="the matmuls' dtype (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    parser.add_argument(
         "--compare-pinning", action="store_true",
         help="also time DBO with the caller's thread pinned to one CPU (Linux)",
     )
@@ -197,17 +225,20 @@ def main() -> None:
     if args.compare_pinning and not hasattr(os, "sched_setaffinity"):
         parser.error("--compare-pinning needs os.sched_setaffinity (Linux)")
     device = torch.device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
     torch.set_num_threads(1)
-    size = MATMUL_SIZE[device.type]
-    a = torch.randn(size, size, device=device)
-    matmuls_per_ms = calibrate_matmuls(0.001, a, a) or 1
+    if device.type == "cuda":
+        warm_up_gpu(device, dtype)
+    matmuls_per_ms = calibrate_matmuls(0.001, *operands(device, dtype)) or 1
+    shape = "x".join(map(str, MATMUL_SHAPE[device.type]))
     print(
-        f"{device}: {args.layers} layers per ubatch; c = compute, m = transfer per ubatch "
-        "per layer"
+        f"{device}: {args.layers} layers per ubatch, {shape} {dtype_name} matmuls; "
+        "c = compute, m = transfer per ubatch per layer"
     )
     header = (
-        f"{'ubatches':>8} {'c ms':>6} {'real c':>6} {'m ms':>6} {'serial ms':>10} {'dbo ms':>8} "
-        f"{'ideal ms':>9} {'speedup':>8} {'hidden':>7} {'merge':>6}"
+        f"{'ubatches':>8} {'c ms':>6} {'real c':>6} {'m ms':>6} {'real m':>6} "
+        f"{'serial ms':>10} {'dbo ms':>8} {'ideal ms':>9} {'speedup':>8} {'hidden':>7} {'merge':>6}"
         + (f" {'hidden, caller pinned':>22}" if args.compare_pinning else "")
     )
     print(header)
@@ -216,7 +247,7 @@ def main() -> None:
         num_matmuls = max(1, round(c_ms * matmuls_per_ms))
         r = measure(
             c_ms, m_ms, num_ubatches, args.layers, args.rounds, num_matmuls, device,
-            args.compare_pinning,
+            args.compare_pinning, dtype,
         )
         row = {"c_nominal_ms": c_ms, "m_ms": m_ms, "num_ubatches": num_ubatches, **r}
         if not args.compare_pinning:
@@ -224,14 +255,19 @@ def main() -> None:
         rows.append(row)
         print(
             f"{num_ubatches:>8} {c_ms:>6.2f} {r['c_ms']:>6.2f} {m_ms:>6.2f} "
-            f"{r['serial_ms']:>10.2f} "
-            f"{r['dbo_ms']:>8.2f} {r['ideal_ms']:>9.2f} {r['speedup']:>7.2f}x "
+            f"{r['m_real_ms']:>6.2f} {r['serial_ms']:>10.2f} {r['dbo_ms']:>8.2f} "
+            f"{r['ideal_ms']:>9.2f} {r['speedup']:>7.2f}x "
             f"{r['hidden']:>7.2f} {r['merge']:>6.1%}"
             + (f" {r['hidden_pinned']:>22.2f}" if args.compare_pinning else "")
         )
     dbo.close_default_runners()
+    result: dict[str, object] = {
+        "device": device.type, "dtype": dtype_name, "layers": args.layers, "rows": rows
+    }
+    if device.type == "cuda":
+        result["cuda_alloc_retries"] = torch.cuda.memory_stats(device)["num_alloc_retries"]
     if args.json:
-        print(json.dumps({"device": device.type, "layers": args.layers, "rows": rows}))
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

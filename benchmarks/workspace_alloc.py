@@ -16,7 +16,8 @@ For each set of three tensors it times, in the same run and interleaved round by
 on CPU, and on CUDA when it is available. Each round times `--calls` calls of every method
 (in a new shuffled order each round); the table shows the median over rounds of the time
 per call, and the ratios to `torch.empty` (below 1: cheaper than allocating). Nothing is
-asserted: the numbers depend on the machine.
+asserted: the numbers depend on the machine. With CUDA, --json also gives
+`torch.cuda.memory_stats()["num_alloc_retries"]` at the end.
 """
 
 from __future__ import annotations
@@ -179,8 +180,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             )
     print()
     print("ratios < 1: cheaper than allocating with torch.empty (lower is better)")
+    result: dict[str, object] = {"rounds": args.rounds, "calls": args.calls, "rows": rows}
+    if torch.cuda.is_available():  # cudaMalloc failures the caching allocator retried
+        result["cuda_alloc_retries"] = torch.cuda.memory_stats()["num_alloc_retries"]
     if args.json:
-        print(json.dumps({"rounds": args.rounds, "calls": args.calls, "rows": rows}))
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":
