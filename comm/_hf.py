@@ -9,10 +9,14 @@ import torch
 import torch.distributed as dist
 
 from comm._checks import resolve_group
+from comm._moe_fixed import check_capacity, combine_fixed, dispatch_fixed
 from comm.moe import combine, dispatch
 
 
-def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> list[str]:
+def shard_experts(
+    model: torch.nn.Module, group: dist.ProcessGroup | None = None, *,
+    capacity: int | None = None,
+) -> list[str]:
     """Keep only this rank's experts in every sparse MoE block of `model`, in place, and
     route the tokens to them through `comm.moe.dispatch`/`combine`.
 
@@ -24,7 +28,12 @@ def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None
     the model's own expert computation with unit weights (`combine` applies the routing
     weights) and combines. Every rank then runs the same forward calls (collectives);
     the output equals the unsharded model's (allclose), gradients too. Shard after
-    loading a checkpoint, before building an optimizer. Returns the qualified names of
+    loading a checkpoint, before building an optimizer. `capacity` switches to the
+    fixed-shape path (`dispatch_fixed` with `check_ids=False`: the router's ids are in
+    range) with that many rows per (rank, expert); the experts then also run on the
+    padding rows, and the forward is free of host reads only if the model's expert
+    computation is too (in transformers, `experts_implementation="batched_mm"` or
+    `"grouped_mm"`; the eager loop reads which experts were hit). Returns the names of
     the blocks changed; ValueError naming the model's class when it has none (or only
     sharded ones), and when an expert count is not divisible by the group's size.
     """
@@ -42,8 +51,10 @@ def shard_experts(model: torch.nn.Module, group: dist.ProcessGroup | None = None
                 f"{name} has {_num_experts(block)} experts, which do not split evenly over "
                 f"the {base.size()} ranks of the group; use a group whose size divides it"
             )
+    if capacity is not None:
+        check_capacity(capacity)
     for _, block in blocks:
-        _shard(block.experts, _num_experts(block), base)
+        _shard(block.experts, _Routing(base, _num_experts(block), capacity))
     return [name for name, _ in blocks]
 
 
@@ -66,16 +77,17 @@ def _num_experts(module: torch.nn.Module) -> int:
 class _Routing:
     """Where a sharded experts module sends its rows; deep copies share it (groups do not copy)."""
 
-    def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
-        self.group, self.num_experts = group, num_experts
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, capacity: int | None) -> None:
+        self.group, self.num_experts, self.capacity = group, num_experts, capacity
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Routing:
         return self
 
 
-def _shard(experts: torch.nn.Module, num_experts: int, group: dist.ProcessGroup) -> None:
+def _shard(experts: torch.nn.Module, routing: _Routing) -> None:
     """Slice `experts`' stacked parameters to this rank's share and route its forward."""
-    num_local, rank = num_experts // group.size(), dist.get_rank(group)
+    group = routing.group
+    num_local, rank = routing.num_experts // group.size(), dist.get_rank(group)
     local = slice(rank * num_local, (rank + 1) * num_local)
     with torch.no_grad():
         for name, param in list(experts.named_parameters(recurse=False)):
@@ -84,7 +96,7 @@ def _shard(experts: torch.nn.Module, num_experts: int, group: dist.ProcessGroup)
             setattr(experts, name, shard)
     if hasattr(experts, "num_experts"):  # the expert loop and its one_hot count local ones
         experts.num_experts = num_local  # type: ignore[assignment]
-    experts._routing = _Routing(group, num_experts)  # type: ignore[assignment]
+    experts._routing = routing  # type: ignore[assignment]
     experts.forward = types.MethodType(_routed_forward, experts)  # nn.Module.__call__ runs it
 
 
@@ -94,9 +106,20 @@ def _routed_forward(
 ) -> torch.Tensor:
     """A sharded experts module's forward: [T, H] tokens, [T, K] routing -> [T, H]."""
     routing = experts._routing
+    forward = type(experts).forward
+    if routing.capacity is not None:
+        blocks, _, fixed = dispatch_fixed(
+            hidden_states, top_k_index, routing.num_experts, routing.capacity, routing.group,
+            check_ids=False,
+        )
+        rows = blocks.reshape(-1, blocks.shape[-1])  # sorted by local expert, padding included
+        ids = torch.arange(blocks.shape[0], device=rows.device).repeat_interleave(blocks.shape[1])
+        unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = forward(experts, rows, ids.unsqueeze(1), unit, *args, **kwargs)
+        return combine_fixed(out.view(*blocks.shape[:2], -1), fixed, top_k_weights)
     recv_x, recv_ids, handle = dispatch(
         hidden_states, top_k_index, routing.num_experts, routing.group
     )
     unit = torch.ones(recv_x.shape[0], 1, dtype=top_k_weights.dtype, device=recv_x.device)
-    out = type(experts).forward(experts, recv_x, recv_ids.unsqueeze(1), unit, *args, **kwargs)
+    out = forward(experts, recv_x, recv_ids.unsqueeze(1), unit, *args, **kwargs)
     return combine(out, handle, top_k_weights)

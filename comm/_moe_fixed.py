@@ -88,7 +88,7 @@ def dispatch_fixed(
     base = resolve_group(group)
     world_size = base.size()
     x, topk_ids, num_experts = check_dispatch(x, topk_ids, num_experts, world_size)
-    capacity = _check_capacity(capacity)
+    capacity = check_capacity(capacity)
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
@@ -163,7 +163,7 @@ def combine_fixed(
     return weighted_sum(per_pair, topk_weights.masked_fill(unsent, 0))
 
 
-def _check_capacity(capacity: Any) -> int:
+def check_capacity(capacity: Any) -> int:
     try:
         value = operator.index(capacity)
     except TypeError:

@@ -53,6 +53,27 @@ def test_a_sharded_model_equals_the_unsharded_one_with_its_gradients(
         torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
 
 
+@pytest.mark.parametrize(("kind", "experts_implementation"),
+                         [("mixtral", "eager"), ("qwen2_moe", "batched_mm"), ("qwen3_moe", "eager")])
+def test_on_the_fixed_shape_path_a_sharded_model_equals_the_unsharded_one(
+    kind: str, experts_implementation: str, world_of_one: None
+) -> None:
+    model = tiny_moe(kind)
+    model.set_experts_implementation(experts_implementation)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
+    comm.moe.shard_experts(model, capacity=ids.numel())  # >= T: nothing dropped
+    got, expected = model(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, expected)
+    (got * got).sum().backward()
+    (expected * expected).sum().backward()
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        comm.moe.shard_experts(tiny_moe(kind), capacity=0)
+
+
 def test_a_deep_copy_of_a_sharded_model_routes_through_its_own_experts(
     world_of_one: None,
 ) -> None:
