@@ -125,6 +125,24 @@ def _comm_rows(result: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _moe_path_rows(result: dict[str, Any]) -> list[Row]:
+    by_path: dict[str, dict[int, dict[str, Any]]] = {"dynamic": {}, "fixed": {}}
+    for row in result["rows"]:
+        by_path[row["path"]][row["tokens"]] = row
+    sizes = sorted(by_path["fixed"])
+    reads = {path: by_path[path][sizes[0]]["host_reads_per_step"] for path in by_path}
+    return [(
+        "MoE example at " + " / ".join(map(str, sizes)) + " tokens per rank: fixed-shape vs "
+        "dynamic path, whole batch | DBO",
+        " / ".join(f"{by_path['fixed'][t]['whole_ms'] / by_path['dynamic'][t]['whole_ms']:.2f}"
+                   for t in sizes) + " | " +
+        " / ".join(f"{by_path['fixed'][t]['dbo_ms'] / by_path['dynamic'][t]['dbo_ms']:.2f}"
+                   for t in sizes),
+        f"step time over the dynamic path's; host reads per step {reads['fixed']} (fixed) vs "
+        f"{reads['dynamic']} (dynamic): on a GPU each read waits for the device",
+    )]
+
+
 def _example_rows(name: str, goals: bool) -> Callable[[dict[str, Any]], list[Row]]:
     def rows(result: dict[str, Any]) -> list[Row]:
         blocked = result["blocked_split_ms"] / max(result["blocked_dbo_ms"], 1e-9)
@@ -162,6 +180,8 @@ ITEMS = (
     Item("comm", "benchmarks/comm_overlap.py", (),
          ("--rounds", "6", "--layers", "8", "--configs", "1024:1.0"), _comm_rows),
     _example("demo", "examples/moe_overlap.py", "5", goals=True),
+    Item("moe-paths", "benchmarks/moe_paths.py", (), ("--tokens", "64", "--steps", "5"),
+         _moe_path_rows),
     _example("tp", "examples/tensor_parallel_mlp.py", "5"),
     _example("hf", "examples/hf_moe.py", "5"),
 )

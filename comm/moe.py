@@ -55,6 +55,9 @@ class DispatchHandle:
     num_recv_tokens_per_expert: torch.Tensor
     """[world_size, E_local] int64 on the host: the rows received per source and expert."""
     order_token: torch.Tensor | None = None  # dispatch's (module docstring); None: no graph
+    rows_per_local_expert: tuple[int, ...] = ()
+    """Rows of `recv_x` per local expert, over all sources (host ints: grouping the rows
+    by expert needs no host read)."""
 
     @property
     def num_recv_tokens(self) -> int:
@@ -121,6 +124,7 @@ def dispatch(
     handle = DispatchHandle(
         base, num_tokens, topk, num_local_experts, sort_order, tuple(send_splits),
         tuple(recv_splits), torch.tensor(recv_counts, dtype=torch.int64), order_token,
+        tuple(map(sum, zip(*recv_counts))) if recv_counts else (0,) * num_local_experts,
     )
     return recv_x, recv_local_expert_ids, handle
 

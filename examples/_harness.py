@@ -184,6 +184,7 @@ def compare(
     args: argparse.Namespace,
     device: torch.device,
     facts: dict[str, Any],
+    exact_whole: bool = True,
 ) -> dict[str, Any]:
     """Check, time and trace the three modes on every rank (a collective); report on rank 0.
 
@@ -191,7 +192,9 @@ def compare(
     other; `overlapped()`: the `dbo.overlap` call. `facts` (must hold "tokens" and
     "num_ubatches") describe the run: printed after `title` and kept in the result.
     Checks `overlapped()` bitwise equal to `split()` and allclose to `whole()` on every
-    rank; times the modes interleaved over `args.steps` steps (per step the slowest rank);
+    rank (`exact_whole=False`: the whole batch is reported, not required, when it
+    computes something else, such as other dropped tokens); times the modes interleaved
+    over `args.steps` steps (per step the slowest rank);
     writes `args.out`/dbo_rank{r}.json and .png; returns the results (the --json object)
     on every rank. Raises SystemExit on every rank when a check fails.
     """
@@ -223,7 +226,7 @@ def compare(
     summary = _summarize(per_mode, blocked_max, checks, args, device, facts)
     if rank == 0:
         _report(title, summary, per_mode, files, plot_error, args)
-    if not (summary["bitwise_equal"] and summary["allclose_vs_unsplit"]):
+    if not (summary["bitwise_equal"] and (summary["allclose_vs_unsplit"] or not exact_whole)):
         raise SystemExit("the overlapped forward does not match the serial one")
     return summary
 

@@ -1,16 +1,17 @@
 """Shared by the fixed-shape MoE tests (one process and several): experts that act on
-either layout with the same arithmetic, the dense reference, and a host-read counter."""
+either layout with the same arithmetic, the reference drops, and the host-read counter."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
+import sys
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import comm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _host_reads import HostReads  # noqa: E402, F401 - the examples' counter, re-exported
 
 
 def expert_scales(num_local_experts: int, rank: int) -> torch.Tensor:
@@ -52,41 +53,3 @@ def kept_pairs(ids: torch.Tensor, num_experts: int, capacity: int) -> torch.Tens
                 kept[token, k] = seen[expert] < capacity
                 seen[expert] += 1
     return kept
-
-
-class HostReads(TorchDispatchMode):
-    """Counts host reads of tensor values and records the all-to-alls' split arguments,
-    in the thread that enters it: `_local_scalar_dense` (`item()`, `bool()`, `int()`)
-    through the dispatcher, and `tolist()` / `numpy()` / `cpu()`, which do not go through
-    it, by wrapping them for the duration."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-        self.all_to_all_splits: list[tuple[Any, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads += 1
-        if "alltoall" in str(func):
-            self.all_to_all_splits.append((list(args[3]), list(args[4])))
-        return func(*args, **(kwargs or {}))
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[HostReads]:
-        originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu")}
-
-        def wrap(name: str):
-            def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-                self.reads += 1
-                return originals[name](tensor, *args, **kwargs)
-            return read
-
-        for name in originals:
-            setattr(torch.Tensor, name, wrap(name))
-        try:
-            with self:
-                yield self
-        finally:
-            for name, original in originals.items():
-                setattr(torch.Tensor, name, original)

@@ -43,6 +43,7 @@ def test_the_moe_demo_matches_serial_reports_json_and_writes_each_ranks_trace_an
     assert (result["world_size"], result["num_ubatches"], result["tokens"]) == (2, 2, 64)
     assert result["speedup"] > 0 and result["speedup_vs_split"] > 0
     assert result["max_abs_diff_vs_unsplit"] < 1e-4
+    assert result["path"] == "dynamic" and result["host_reads_per_step"] == 1  # one layer
     assert "NCCL" not in completed.stdout  # a gloo run says what applies to gloo
     assert "the transfers use the same cores as the compute" in completed.stdout
     for rank in (0, 1):
@@ -52,6 +53,27 @@ def test_the_moe_demo_matches_serial_reports_json_and_writes_each_ranks_trace_an
         assert {"baton", "dbo.overlap", "wait all_to_all_single"} <= names, names
         assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
         assert str(picture) in completed.stdout  # the last lines name the files
+
+
+@pytest.mark.parametrize("capacity", [64, 8], ids=["no-drops", "drops"])
+def test_the_fixed_shape_path_reads_nothing_on_the_host_and_matches_its_ubatches(
+    tmp_path: Path, capacity: int
+) -> None:
+    completed = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), "--spawn", "2", "--layers", "2", "--tokens", "64",
+            "--fixed-capacity", str(capacity), "--steps", "1", "--timeout-s", "60", "--json",
+            "--out", str(tmp_path),
+        ],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["path"] == f"fixed-shape, capacity {capacity}"
+    assert result["host_reads_per_step"] == 0 and result["bitwise_equal"] is True
+    # Without drops all three modes compute the same thing; with them, the whole batch
+    # (capacity 8 of 64 tokens) drops other tokens than the ubatches (8 of 32).
+    assert result["allclose_vs_unsplit"] is (capacity == 64)
 
 
 def _cores() -> int:

@@ -22,6 +22,7 @@ def test_dispatch_groups_rows_by_expert_and_combine_weights_them(world_of_one: N
     assert torch.equal(recv_x, x[[0, 2, 2, 1, 3, 0, 1, 3]])
     assert handle.num_recv_tokens == 8 and handle.send_splits == (8,)
     assert handle.num_recv_tokens_per_expert.tolist() == [[3, 2, 2, 1]]
+    assert handle.rows_per_local_expert == (3, 2, 2, 1)
     # Expert e multiplies by (e + 1): y[t] = sum_k w[t, k] * (id[t, k] + 1) * x[t].
     expert_out = recv_x * (recv_ids + 1).unsqueeze(1).to(recv_x.dtype)
     y = comm.moe.combine(expert_out, handle, weights)

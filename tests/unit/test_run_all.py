@@ -118,3 +118,19 @@ def test_hidden_fractions_far_outside_0_to_1_get_a_note_under_the_table(
     printed = capsys.readouterr().out
     assert "a busy machine" in printed
     assert (tmp_path / "out" / "overlap_efficiency.png").exists()
+
+
+def test_the_moe_paths_row_gives_fixed_over_dynamic_per_size_and_the_host_reads() -> None:
+    run_all = _module()
+    rows = [
+        {"tokens": t, "path": path, "whole_ms": whole, "dbo_ms": dbo_ms,
+         "host_reads_per_step": reads}
+        for t, path, whole, dbo_ms, reads in [
+            (16, "dynamic", 10.0, 8.0, 4), (16, "fixed", 5.0, 6.0, 0),
+            (64, "dynamic", 20.0, 10.0, 4), (64, "fixed", 30.0, 5.0, 0),
+        ]
+    ]
+    ((what, ratios, meaning),) = run_all._moe_path_rows({"rows": rows})
+    assert "16 / 64 tokens per rank" in what
+    assert ratios == "0.50 / 1.50 | 0.75 / 0.50"
+    assert "host reads per step 0 (fixed) vs 4 (dynamic)" in meaning

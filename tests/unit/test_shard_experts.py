@@ -53,8 +53,10 @@ def test_a_sharded_model_equals_the_unsharded_one_with_its_gradients(
         torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
 
 
-@pytest.mark.parametrize(("kind", "experts_implementation"),
-                         [("mixtral", "eager"), ("qwen2_moe", "batched_mm"), ("qwen3_moe", "eager")])
+@pytest.mark.parametrize(
+    ("kind", "experts_implementation"),
+    [("mixtral", "eager"), ("qwen2_moe", "batched_mm"), ("qwen3_moe", "eager")],
+)
 def test_on_the_fixed_shape_path_a_sharded_model_equals_the_unsharded_one(
     kind: str, experts_implementation: str, world_of_one: None
 ) -> None:
