@@ -1,0 +1,410 @@
+"""The GPU checks in one run on one CUDA machine, written up as Markdown and JSON.
+
+    bash benchmarks/gpu_check.sh OUTDIR                 # PYTHON=... picks the interpreter
+    python benchmarks/gpu_check.py OUTDIR --only pytest,overlap   # a rerun of some steps
+
+Each step is a subprocess with its own timeout; the timeouts add up to 7 minutes, so the
+run ends within 8 whatever hangs (on one H200 it should take about half that):
+
+    preflight    torch sees a CUDA device (if not, the report says so and nothing else runs)
+    pytest       `pytest -m gpu tests` (some start one NCCL rank under torchrun)
+    sync-debug   the fixed-shape MoE path, overlapped, under set_sync_debug_mode("error")
+    moe-dynamic  examples/moe_overlap.py on one NCCL rank, dynamic path
+    moe-fixed    the same, fixed-shape path (--fixed-capacity)
+    graph        eager DBO vs graph-replayed DBO at 16-256 tokens
+    overlap      bf16 GEMMs against EmulatedLink transfers, 0.1-2 ms segments
+    workspace    workspace views vs torch.empty, on CPU and CUDA
+
+then `num_alloc_retries` (torch.cuda.memory_stats at the end of each benchmark). Written
+to OUTDIR: gpu_check.md (the report), gpu_check.json (the same and every step's result),
+<step>.log (each step's output). Exit status 0 when every step passed, else 1: a step
+failed, timed out or did not run, a result was wrong, or a goal was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+Row = tuple[str, str, str]
+"""(what is measured, the value, what it means / the goal)."""
+Result = dict[str, Any]
+TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1")
+HIDDEN_GOAL, HIDDEN_GOAL_FROM_MS = 0.95, 0.2
+BUDGET_S = 450.0
+"""The most the steps may take together, their kill grace included (8 minutes less 30 s)."""
+KILL_GRACE_S = 3.0
+"""After a timeout: SIGTERM to the step's process group, SIGKILL this much later
+(torchrun ends its workers, which run in sessions of their own, on SIGTERM only)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    title: str
+    argv: tuple[str, ...]  # after the interpreter; {out} is OUTDIR; may write {out}/<name>.xml
+    timeout_s: float
+    judge: Callable[[Result], tuple[list[Row], list[str]]]  # (rows, problems)
+    parse: Callable[[str, Path], Result | None] = lambda output, out: last_json_line(output)
+
+
+def last_json_line(output: str) -> Result | None:
+    """The last line of `output` that is a JSON object (torchrun may print after it)."""
+    for line in reversed(output.splitlines()):
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+PREFLIGHT = """
+import json, os, platform, torch
+import comm, dbo, workspace  # this checkout imports
+facts = {"torch": torch.__version__, "python": platform.python_version(),
+         "cpus": os.cpu_count(), "cuda_available": torch.cuda.is_available()}
+if facts["cuda_available"]:
+    p = torch.cuda.get_device_properties(0)
+    facts.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1),
+                 capability=f"{p.major}.{p.minor}", cuda=torch.version.cuda,
+                 devices=torch.cuda.device_count(),
+                 nccl=".".join(map(str, torch.cuda.nccl.version())))
+print(json.dumps(facts))
+"""
+
+
+def _preflight(result: Result) -> tuple[list[Row], list[str]]:
+    if not result["cuda_available"]:
+        return [], [f"no CUDA device (torch {result['torch']}: torch.cuda.is_available() "
+                    "is False); nothing was measured"]
+    return [], []
+
+
+def read_junit(output: str, out: Path) -> Result | None:
+    """Passed, failed, errored and skipped tests from pytest's JUnit XML."""
+    try:
+        root = ElementTree.parse(out / "pytest.xml").getroot()
+    except (OSError, ElementTree.ParseError):  # not written, or cut short by the timeout
+        return None
+    result: Result = {"passed": 0, "failed": [], "errors": [], "skipped": {}}
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        tags = {child.tag: child for child in case}
+        if "error" in tags:
+            result["errors"].append(name)
+        elif "failure" in tags:
+            result["failed"].append(name)
+        elif "skipped" in tags:
+            result["skipped"][name] = tags["skipped"].get("message", "")
+        else:
+            result["passed"] += 1
+    return result
+
+
+def _pytest(result: Result) -> tuple[list[Row], list[str]]:
+    failed, errors, skipped = result["failed"], result["errors"], result["skipped"]
+    counts = (f"{result['passed']} passed, {len(failed)} failed, {len(errors)} errors, "
+              f"{len(skipped)} skipped")
+    reasons = "; ".join(sorted(set(skipped.values()))) or "none"
+    problems = [f"failed: {name}" for name in failed] + [f"error: {name}" for name in errors]
+    if result["passed"] == 0:
+        problems.append("no gpu test passed")
+    return [("`pytest -m gpu tests`", counts, f"every gpu test passes; skip reasons: {reasons}")
+            ], problems
+
+
+def _sync_debug(result: Result) -> tuple[list[Row], list[str]]:
+    problems = []
+    if result["sync_error"]:
+        problems.append(f"a synchronizing CUDA call: {result['sync_error']}")
+    elif not result["bitwise_equal"]:
+        problems.append("the overlapped steps differ from the serial ubatches")
+    if not result["sync_checked"] or result["backend"] != "nccl":
+        problems.append(f"ran on {result['device']} ({result['backend']}), not CUDA and NCCL")
+    value = "a sync" if result["sync_error"] else f"0 syncs in {result['steps']} steps"
+    return [(f"fixed-shape MoE overlapped under `set_sync_debug_mode(\"error\")`, "
+             f"{result['tokens']} tokens, capacity {result['capacity']}", value,
+             "goal: no synchronizing CUDA call; outputs bitwise equal to the serial ubatches")
+            ], problems
+
+
+def _moe(path: str) -> Callable[[Result], tuple[list[Row], list[str]]]:
+    def judge(result: Result) -> tuple[list[Row], list[str]]:
+        problems = []
+        if (result["backend"], result["device"]) != ("nccl", "cuda"):
+            problems.append(f"ran with {result['backend']} on {result['device']}, not NCCL")
+        if not (result["bitwise_equal"] and result["allclose_vs_unsplit"]):
+            problems.append("DBO differs from the same ubatches in turn or the whole batch")
+        return [(f"`moe_overlap.py`, {path} path, one NCCL rank, {result['tokens']} tokens: "
+                 "DBO vs the same ubatches in turn / vs the whole batch",
+                 f"{result['speedup_vs_split']:.2f}x / {result['speedup']:.2f}x",
+                 "step-time speedups; one rank: every all-to-all is a local copy")], problems
+    return judge
+
+
+def _graph(result: Result) -> tuple[list[Row], list[str]]:
+    rows = result["rows"]
+    tokens = " / ".join(str(row["tokens"]) for row in rows)
+
+    def joined(key: str, unit: str = "") -> str:
+        return " / ".join(f"{row[key]:.2f}{unit}" for row in rows)
+
+    problems = [f"graph replay differs from eager DBO at {row['tokens']} tokens"
+                for row in rows if not row["bitwise_equal"]]
+    return [
+        (f"eager DBO over graph-replayed DBO, {tokens} tokens", joined("graph_speedup", "x"),
+         "time per step; > 1: the replay is faster (eager DBO is bound by the host)"),
+        (f"graph of the whole batch over graph-replayed DBO, {tokens} tokens",
+         joined("dbo_vs_whole", "x"), f"> 1: DBO pays at that size ({result['link_us']:g} us "
+         "emulated transfer per layer)"),
+    ], problems
+
+
+def _overlap(result: Result) -> tuple[list[Row], list[str]]:
+    rows = sorted((row for row in result["rows"] if row["c_nominal_ms"] == row["m_ms"]
+                   and row["num_ubatches"] == 2), key=lambda row: row["m_ms"])
+    goal_rows = [row for row in rows if row["m_ms"] >= HIDDEN_GOAL_FROM_MS]
+    problems = [f"goal missed: hidden {row['hidden']:.2f} at c = m = {row['m_ms']:g} ms "
+                f"(goal >= {HIDDEN_GOAL})" for row in goal_rows if row["hidden"] < HIDDEN_GOAL]
+    if not goal_rows:
+        problems.append(f"no 2-ubatch row with c = m >= {HIDDEN_GOAL_FROM_MS} ms")
+    return [(f"overlap, {result.get('dtype', '')} GEMMs vs EmulatedLink, 2 ubatches, "
+             f"{result['layers']} layers, c = m = "
+             + " / ".join(f"{row['m_ms']:g}" for row in rows) + " ms",
+             " / ".join(f"{row['hidden']:.2f}" for row in rows),
+             f"hidden fraction; goal >= {HIDDEN_GOAL} at >= {HIDDEN_GOAL_FROM_MS * 1000:g} us")
+            ], problems
+
+
+def _workspace(result: Result) -> tuple[list[Row], list[str]]:
+    rows = [row for row in result["rows"] if row["device"] == "cuda"]
+    ratios = [row["workspace_us"] / row["empty_us"] for row in rows]
+    problems = [] if rows else ["no CUDA rows"]
+    problems += [f"goal missed: workspace/torch.empty {ratio:.2f} ({row['case']})"
+                 for row, ratio in zip(rows, ratios) if ratio >= 1]
+    return [("workspace `get_simultaneous` vs `torch.empty` on CUDA, 3 tensors, "
+             + " / ".join(row["case"] for row in rows),
+             " / ".join(f"{ratio:.2f}" for ratio in ratios),
+             "time per call over torch.empty's; goal < 1")], problems
+
+
+_EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
+STEPS = (
+    Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
+    Step("pytest", "the gpu-marked tests",
+         ("-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
+          "--junitxml", "{out}/pytest.xml", "tests"), 170, _pytest, read_junit),
+    Step("sync-debug", "no host sync in the fixed-shape MoE path under DBO",
+         (*TORCHRUN, "benchmarks/moe_sync_debug.py", "--json"), 35, _sync_debug),
+    Step("moe-dynamic", "the MoE example on NCCL, dynamic path",
+         (*TORCHRUN, *_EXAMPLE, "--out", "{out}/moe-dynamic"), 35, _moe("dynamic")),
+    Step("moe-fixed", "the MoE example on NCCL, fixed-shape path",
+         (*TORCHRUN, *_EXAMPLE, "--fixed-capacity", "256", "--out", "{out}/moe-fixed"), 35,
+         _moe("fixed-shape")),
+    Step("graph", "eager vs graph-replayed DBO at decode sizes",
+         ("benchmarks/graph_replay.py", "--json"), 35, _graph),
+    Step("overlap", "communication hidden behind bf16 GEMMs",
+         ("benchmarks/overlap_efficiency.py", "--device", "cuda", "--layers", "32",
+          "--rounds", "7", "--configs", "0.1:0.1:2,0.2:0.2:2,0.5:0.5:2,1:1:2,2:2:2", "--json"),
+         50, _overlap),
+    Step("workspace", "workspace views vs torch.empty",
+         ("benchmarks/workspace_alloc.py", "--rounds", "5", "--calls", "1000", "--json"), 20,
+         _workspace),
+)
+"""In the order they run. A cold `import torch` can take seconds on the GPU machine's
+file system: the preflight, the first to import it, has the most room for it."""
+
+
+def _environment() -> dict[str, str]:
+    """The steps import dbo, comm and workspace from this checkout, not installed."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=KILL_GRACE_S)
+
+
+def _record(name: str, title: str, status: str, why: str = "", **fields: Any) -> Result:
+    """A step's record in the JSON file (`fields` override the empty defaults)."""
+    return {"name": name, "title": title, "status": status, "why": why, "problems": [],
+            "rows": [], "result": None, "seconds": 0.0, "log": "", "command": "", "tail": [],
+            **fields}
+
+
+def judge_step(step: Step, returncode: int | None, output: str, out: Path) -> Result:
+    """The record of a step that ended with `returncode` (None: killed at its timeout)
+    after printing `output`: its status, why, the rows and problems its judge found."""
+    result = step.parse(output, out)
+    rows: list[Row] = []
+    problems: list[str] = []
+    if result is not None:
+        try:
+            rows, problems = step.judge(result)
+        except Exception as error:  # a result of another shape: report it, write the report
+            problems = [f"unexpected result ({type(error).__name__}: {error})"]
+    if returncode is None:
+        status, why = "timed out", f"timed out after {step.timeout_s:g} s"
+    elif returncode != 0:
+        status, why = "failed", f"exit status {returncode}"
+    elif result is None:
+        status, why = "failed", "no result (no JSON line at the end of its output)"
+    else:
+        status, why = ("failed", problems[0]) if problems else ("passed", "")
+    crashed = returncode != 0 or result is None
+    return _record(step.name, step.title, status, why, problems=problems, rows=rows,
+                   result=result, tail=output.splitlines()[-20:] if crashed else [])
+
+
+def run_step(step: Step, out: Path) -> Result:
+    """Run one step in a process group of its own, its output in OUTDIR/<name>.log."""
+    argv = [sys.executable, *(arg.replace("{out}", str(out)) for arg in step.argv)]
+    log = out / f"{step.name}.log"
+    (out / f"{step.name}.xml").unlink(missing_ok=True)  # a report of an earlier run
+    begin = time.monotonic()
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env=_environment(),
+        )
+        try:
+            returncode: int | None = process.wait(timeout=step.timeout_s)
+        except subprocess.TimeoutExpired:
+            returncode = None
+            _kill_group(process)
+    record = judge_step(step, returncode, log.read_text(errors="replace"), out)
+    command = shlex.join(["python", *argv[1:]]) if step.name != "preflight" else ""
+    record.update(seconds=round(time.monotonic() - begin, 1), log=log.name, command=command)
+    return record
+
+
+def alloc_retries(records: list[Result]) -> Result:
+    """The record of `num_alloc_retries` as the benchmarks reported it (goal 0)."""
+    found = {record["name"]: record["result"]["cuda_alloc_retries"] for record in records
+             if isinstance(record["result"], dict) and "cuda_alloc_retries" in record["result"]}
+    title = "no cudaMalloc retried"
+    if not found:
+        return _record("memory", title, "not run", "no benchmark reported num_alloc_retries")
+    bad = [f"{name}: {count} cudaMalloc retries" for name, count in found.items() if count]
+    row = ("`torch.cuda.memory_stats()[\"num_alloc_retries\"]` after each benchmark",
+           " / ".join(f"{name} {count}" for name, count in found.items()),
+           "cudaMalloc calls that failed and were retried after freeing the cache; goal 0")
+    return _record("memory", title, "failed" if bad else "passed", bad[0] if bad else "",
+                   problems=bad, rows=[row])
+
+
+def _machine(facts: Result) -> str:
+    if not facts:
+        return "Machine: unknown (the preflight did not report)"
+    base = f"torch {facts['torch']}, Python {facts['python']}, {facts['cpus']} CPUs"
+    if not facts.get("cuda_available"):
+        return f"Machine: no CUDA device; {base}"
+    return (f"GPU: {facts['gpu']}, {facts['gpu_memory_gib']} GiB, compute capability "
+            f"{facts['capability']} ({facts['devices']} visible); CUDA {facts['cuda']}, NCCL "
+            f"{facts['nccl']}; {base}")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def report(records: list[Result], started: datetime.datetime, total_s: float,
+           command: str) -> tuple[str, Result]:
+    """The Markdown report and the JSON object of a run's step records."""
+    preflight = records[0] if records and records[0]["name"] == "preflight" else None
+    facts = (preflight["result"] or {}) if preflight else {}
+    passed = bool(records) and all(record["status"] == "passed" for record in records)
+    failing = [record for record in records if record["status"] != "passed"]
+    if passed:
+        verdict = "passed"
+    elif preflight and preflight["status"] != "passed":
+        verdict = f"not run: {preflight['why']}"
+    else:
+        verdict = f"failed ({len(failing)} of {len(records)} steps did not pass)"
+    lines = [f"# GPU check: {verdict}", "", f"Date: {started:%Y-%m-%d %H:%M} UTC  ",
+             _machine(facts) + "  ", f"Command: `{command}`  ", f"Total: {total_s:.0f} s", ""]
+    lines += _table(("step", "checks", "status", "s", "note"), [
+        (r["name"], r["title"], r["status"], f"{r['seconds']:.0f}", r["why"]) for r in records])
+    measured = [row for record in records for row in record["rows"]]
+    if measured:
+        lines += ["", *_table(("what", "value", "meaning / goal"), measured)]
+    broken = [record for record in failing if record["status"] in ("failed", "timed out")]
+    if broken:
+        lines += ["", "## What did not pass"]
+    for record in broken:
+        lines += ["", f"- **{record['name']}** ({record['status']}): {record['why']}"]
+        lines += [f"  - {problem}" for problem in record["problems"][1:]]
+        if record["tail"]:
+            lines += ["", f"  Last lines of {record['log']}:", "", "  ```",
+                      *(f"  {line}" for line in record["tail"]), "  ```"]
+    commands = [f"- {r['name']}: `{r['command']}`" for r in records if r["command"]]
+    if commands:
+        lines += ["", "Commands (from the repository root, PYTHONPATH=.):", "", *commands]
+    data = {"passed": passed, "verdict": verdict, "date": started.isoformat(),
+            "machine": facts, "command": command, "total_s": round(total_s, 1),
+            "steps": records}
+    return "\n".join(lines) + "\n", data
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    names = [step.name for step in STEPS]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", metavar="OUTDIR", help="where the report and the logs go")
+    parser.add_argument("--only", metavar="NAMES",
+                        help=f"comma-separated steps to run (preflight always): {','.join(names)}")
+    args = parser.parse_args(argv)
+    chosen = set(names if args.only is None else ["preflight", *args.only.split(",")])
+    if chosen - set(names):
+        parser.error(f"unknown steps {sorted(chosen - set(names))}; choose from {','.join(names)}")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    started, begin = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
+    records: list[Result] = []
+    for index, step in enumerate(step for step in STEPS if step.name in chosen):
+        if records and records[0]["status"] != "passed":
+            records.append(_record(step.name, step.title, "not run", "the preflight did not pass"))
+            continue
+        print(f"[{index + 1}] {step.name}: {step.title} (at most {step.timeout_s:g} s) ...",
+              file=sys.stderr, flush=True)
+        records.append(run_step(step, out))
+        print(f"    {records[-1]['status']} in {records[-1]['seconds']:.0f} s"
+              + (f": {records[-1]['why']}" if records[-1]["why"] else ""),
+              file=sys.stderr, flush=True)
+    records.append(alloc_retries(records))
+    command = shlex.join(["python", "benchmarks/gpu_check.py", *argv])
+    markdown, data = report(records, started, time.monotonic() - begin, command)
+    (out / "gpu_check.md").write_text(markdown)
+    (out / "gpu_check.json").write_text(json.dumps(data, indent=1))
+    print(markdown)
+    if not data["passed"]:
+        print(f"gpu_check: {data['verdict']}; report: {out / 'gpu_check.md'}", file=sys.stderr)
+    return 0 if data["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
