@@ -24,6 +24,7 @@ import torch.distributed as dist
 from comm._checks import require_same_device, require_tensor, resolve_group
 from comm.moe import (
     check_dispatch,
+    check_weights,
     exchange_counts,
     exchange_rows,
     raise_if_bad_ids,
@@ -192,13 +193,6 @@ def _check_combine_fixed(
             f"[{expected[0]}, {expected[1]}, hidden] (recv_x's layout), got shape "
             f"{tuple(expert_out.shape)}"
         )
-    if topk_weights.shape != (handle.num_tokens, handle.topk):
-        raise ValueError(
-            f"topk_weights must be [num_tokens, k] = [{handle.num_tokens}, {handle.topk}] "
-            f"(the shape of dispatch_fixed's topk_ids), got {tuple(topk_weights.shape)}"
-        )
-    if not topk_weights.dtype.is_floating_point:
-        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
+    check_weights(topk_weights, expert_out, handle.num_tokens, handle.topk)
     require_same_device("expert_out", expert_out, "dispatch_fixed's x", handle.slot_of_pair)
     return expert_out, topk_weights

@@ -8,8 +8,10 @@
 Rank r owns experts `[r * E_local, (r + 1) * E_local)`; each (token, k) pair is one row
 on the wire; counts go first, so uneven loads and empty ranks work. Inside an overlap
 the all-to-alls yield while in flight (`dispatch` twice, `combine` once); outside they
-block. Results are bitwise those of the same calls made serially. `shard_experts(model)`
-does all this for a Hugging Face MoE model.
+block. Results are bitwise those of the same calls made serially. `dispatch` reads the
+split sizes on the host once; `dispatch_fixed`/`combine_fixed` (comm/_moe_fixed.py) route
+into fixed-size blocks per expert with no host read, for decode and CUDA graphs.
+`shard_experts(model)` does all this for a Hugging Face MoE model.
 
 Backward takes the same all-to-alls back, in one order on every rank, which autograd
 does not give for graphs recorded in several threads. So each differentiable exchange
@@ -219,14 +221,7 @@ def _check_combine(
             f"expert_out must be [num_recv_tokens = {handle.num_recv_tokens} (the rows "
             f"dispatch returned), hidden], got shape {tuple(expert_out.shape)}"
         )
-    if topk_weights.shape != (handle.num_tokens, handle.topk):
-        raise ValueError(
-            f"topk_weights must be [num_tokens, k] = [{handle.num_tokens}, {handle.topk}] "
-            f"(the shape of dispatch's topk_ids), got {tuple(topk_weights.shape)}"
-        )
-    if not topk_weights.dtype.is_floating_point:
-        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
+    check_weights(topk_weights, expert_out, handle.num_tokens, handle.topk)
     if handle.sort_order.device != expert_out.device:
         raise ValueError(
             f"expert_out is on {expert_out.device} but dispatch ran on "
@@ -236,6 +231,20 @@ def _check_combine(
 
 
 Splits = tuple[int, ...] | None  # rows to/from each rank; None: equal parts
+def check_weights(
+    topk_weights: torch.Tensor, expert_out: torch.Tensor, num_tokens: int, topk: int
+) -> None:
+    """`topk_weights` is [T, K] floating point, on `expert_out`'s device."""
+    if topk_weights.shape != (num_tokens, topk):
+        raise ValueError(
+            f"topk_weights must be [num_tokens, k] = [{num_tokens}, {topk}] (the shape of "
+            f"the dispatch's topk_ids), got {tuple(topk_weights.shape)}"
+        )
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
+
+
 _ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.run_state()` key: the run's latest token
 
 
