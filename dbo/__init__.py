@@ -36,6 +36,7 @@ from dbo.api import (
     yield_and_switch_to_compute,
 )
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError
+from dbo.graphs import OverlapGraph, capture_graph
 from dbo.hooks import yield_between
 from dbo.overlap import close_default_runners, overlap
 from dbo.runner import RunnerState, UBatchRunner
@@ -44,10 +45,11 @@ from dbo.token_split import TokenSplit, balanced_token_split
 from dbo.tracing import Trace, trace
 
 __all__ = [
-    "OverlapTimeoutError", "RunnerState", "Trace", "TokenSplit", "UBatchAbortedError",
-    "UBatchRunner", "at_ubatch_exit", "balanced_token_split", "close_default_runners",
-    "current_stream", "current_ubatch_id", "default_merge", "default_split", "enabled",
-    "maybe_run_recv_hook", "merge_parts", "num_ubatches", "on_comm_stream", "overlap",
-    "register_recv_hook", "run_state", "switch_to_comm", "switch_to_compute", "trace", "yield_",
-    "yield_and_switch_to_comm", "yield_and_switch_to_compute", "yield_between",
+    "OverlapGraph", "OverlapTimeoutError", "RunnerState", "Trace", "TokenSplit",
+    "UBatchAbortedError", "UBatchRunner", "at_ubatch_exit", "balanced_token_split",
+    "capture_graph", "close_default_runners", "current_stream", "current_ubatch_id",
+    "default_merge", "default_split", "enabled", "maybe_run_recv_hook", "merge_parts",
+    "num_ubatches", "on_comm_stream", "overlap", "register_recv_hook", "run_state",
+    "switch_to_comm", "switch_to_compute", "trace", "yield_", "yield_and_switch_to_comm",
+    "yield_and_switch_to_compute", "yield_between",
 ]

@@ -1,0 +1,303 @@
+"""`dbo.capture_graph`: both ubatches of one overlapped call in one CUDA graph.
+
+A decode step is short enough that launching its kernels from two ubatch threads, with a
+handoff between them, can take longer than running them. A CUDA graph replays the same
+kernels on the same stream branches, ordered by the same events, with one launch and no
+threads: the decode path of an overlapped model, built on the runtime that runs prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from dbo._checks import check_num_ubatches
+from dbo._context import current_context
+from dbo.api import run_state
+from dbo.overlap import _runner_pool, overlap
+from dbo.runner import UBatchRunner
+from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
+
+CAPTURE_ERROR_MODE = "global"
+"""The capture's `cudaStreamCaptureMode`. A mode only says which threads are barred from
+capture-unsafe calls (a cudaMalloc, a synchronizing copy, an event query): a kernel that
+any thread launches onto a stream that joined the capture is captured in every mode.
+"global" is the one mode that also bars the ubatch threads, which launch all of `fn`'s
+work, so an unsafe call there fails the capture instead of being left out of the graph
+("thread_local" would watch only this thread, which just waits for the baton). torch's
+allocator still grows the graph's pool from a ubatch thread: it relaxes the mode around
+its cudaMalloc when the thread's current stream is capturing. The price is that no other
+thread of the process may make such calls while a capture runs."""
+
+_IN_CAPTURE = "dbo.capture_graph"
+"""The `dbo.run_state()` key that marks the runs of `capture_graph`, warmup included."""
+
+
+class OverlapGraph:
+    """An overlapped call captured by `dbo.capture_graph`; replays with no threads.
+
+    `outputs` are the static output tensors, rewritten by every replay (clone what must
+    outlive the next one); `static_inputs` are what the next replay reads; `cuda_graph`
+    is the `torch.cuda.CUDAGraph`. The graph holds the addresses of both and of the
+    workspace buffers: keep the workspace manager, locked, while you replay.
+    """
+
+    def __init__(self, cuda_graph: Any, static_inputs: tuple[Any, ...], outputs: Any) -> None:
+        self.cuda_graph = cuda_graph
+        self.static_inputs = static_inputs
+        self.outputs = outputs
+        self._leaves, self._spec = tree_flatten(static_inputs)
+
+    def replay(self) -> None:
+        """Launch the graph on the current stream: every ubatch's kernels on its compute
+        and comm branches, then the merge. No host work beyond the launch."""
+        self.cuda_graph.replay()
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Copy `inputs` into `static_inputs` on the current stream, replay, return
+        `outputs`. ValueError, before any copy, unless `inputs` has their structure,
+        tensors of their shapes and equal non-tensor leaves."""
+        leaves, spec = tree_flatten(inputs)
+        if spec != self._spec:
+            raise ValueError(
+                f"OverlapGraph takes inputs structured like its static inputs ({self._spec}), "
+                f"got {spec}"
+            )
+        for index, (static, new) in enumerate(zip(self._leaves, leaves)):
+            if isinstance(static, torch.Tensor):
+                if not isinstance(new, torch.Tensor) or new.shape != static.shape:
+                    got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
+                    raise ValueError(
+                        f"input leaf {index} must be a tensor of the captured shape "
+                        f"{tuple(static.shape)}, got {got}; capture one graph per batch size"
+                    )
+            elif new != static:
+                raise ValueError(
+                    f"input leaf {index} is {new!r}, but the graph was captured with "
+                    f"{static!r}: non-tensor inputs are part of the graph"
+                )
+        for static, new in zip(self._leaves, leaves):
+            if isinstance(static, torch.Tensor) and new is not static:
+                static.copy_(new)
+        self.replay()
+        return self.outputs
+
+
+def capture_graph(
+    fn: Callable[..., Any], *static_inputs: Any, num_ubatches: int = 2, warmup: int = 2,
+    pool: Any = None,
+) -> OverlapGraph:
+    """Capture `fn` overlapped over `num_ubatches` ubatches of `static_inputs` in one CUDA graph.
+
+    The inputs are split along dim 0 and the outputs merged as `dbo.overlap(fn)` does.
+    `warmup` eager runs come first, on the same ubatch threads and streams as the
+    capture, so that what cannot be captured is done before it: cuBLAS handles, NCCL
+    communicators, the workspace at its final size. The process-wide workspace (if any)
+    is then locked and one more run is captured: the ubatch streams fork from the
+    capture stream (a side stream, current in this thread) and join back into it through
+    the runner's events, while the baton runs as usual. One capture at a time in the
+    process, and no other thread may use CUDA during it (`CAPTURE_ERROR_MODE`). `pool`:
+    a `torch.cuda.graph_pool_handle()` (or another graph's `pool()`) to share memory
+    with graphs that never replay at the same time.
+
+    Raises before capturing: RuntimeError "CUDA graphs need a CUDA device" without a
+    CUDA tensor in `static_inputs`; RuntimeError for a `dbo.overlap` wrapper (pass what
+    it wraps: its options, a `decision_group`'s host read among them, are not captured)
+    or inside an overlap; TypeError / ValueError for bad arguments or a batch smaller
+    than `num_ubatches`; `fn`'s own errors from the warmup, where the dynamic `comm.moe`
+    path refuses (use `dispatch_fixed` / `combine_fixed`). A failure during the capture
+    ends it (no stream is left capturing), unlocks a workspace it locked and re-raises;
+    the runner stays usable.
+    """
+    if not callable(fn):
+        raise TypeError(f"dbo.capture_graph needs a callable, got {fn!r}")
+    num_ubatches = check_num_ubatches(num_ubatches)
+    if type(warmup) is not int or warmup < 1:
+        raise (ValueError if type(warmup) is int else TypeError)(
+            "warmup must be an int >= 1 (the eager runs before the capture initialize what "
+            f"cannot be captured: cuBLAS handles, communicators, the workspace), got {warmup!r}"
+        )
+    if current_context() is not None:
+        raise RuntimeError("dbo.capture_graph was called inside an overlap; call it outside")
+    if getattr(fn, "__code__", None) is _overlap_wrapper_code():
+        raise RuntimeError(
+            "dbo.capture_graph got a dbo.overlap wrapper; pass the function it wraps "
+            f"({getattr(fn, '__wrapped__', fn)!r}), which capture_graph splits, overlaps and "
+            "merges itself (num_ubatches=). A wrapper's options are not captured: a "
+            "decision_group reads the batch sizes on the host at every call, and a graph "
+            "overlaps at every replay"
+        )
+    device = _cuda_device(static_inputs)
+    parts = _split(static_inputs, num_ubatches)
+    capture = _Capture(device, pool)
+    with _runner_pool.lease(num_ubatches, None) as runner, capture.current_stream():
+        outputs = _warm_up_and_capture(capture, runner, _marked(fn), parts, warmup)
+    return OverlapGraph(capture.graph, static_inputs, outputs)
+
+
+def refuse_under_capture(what: str) -> None:
+    """Raise RuntimeError naming `what` when called from a ubatch of a `capture_graph`
+    run (its warmup included, so that the refusal comes before anything is captured) or
+    on a capturing CUDA stream; otherwise return at once. For the dynamic `comm.moe`
+    path, whose host reads and data-dependent shapes a CUDA graph cannot hold."""
+    state = run_state()
+    if (state is not None and state.get(_IN_CAPTURE)) or (
+        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    ):
+        raise RuntimeError(
+            f"{what} cannot be captured in a CUDA graph (dbo.capture_graph): it reads the "
+            "routing counts on the host and its output shapes depend on them. Use "
+            "comm.moe.dispatch_fixed / comm.moe.combine_fixed (fixed shapes, no host read)"
+        )
+
+
+def _warm_up_and_capture(
+    capture: _Capture, runner: UBatchRunner, fn: Callable[..., Any], parts: UBatchInputs,
+    warmup: int,
+) -> Any:
+    """The warmup runs, the workspace lock, then the captured run; its merged outputs."""
+
+    def step() -> Any:
+        return default_merge(runner.run(fn, parts, device=capture.device))
+
+    for _ in range(warmup):
+        step()
+    unlock = _lock_workspace()
+    try:
+        capture.begin()
+        try:
+            outputs = step()
+        except BaseException:
+            capture.abandon()
+            raise
+        capture.end()
+    except BaseException:
+        unlock()
+        raise
+    return outputs
+
+
+def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, marking its run as one of `capture_graph`'s for `refuse_under_capture`."""
+
+    def in_capture_graph(*args: Any, **kwargs: Any) -> Any:
+        state = run_state()
+        assert state is not None, "capture_graph runs fn in the ubatch threads of a run"
+        state[_IN_CAPTURE] = True
+        return fn(*args, **kwargs)
+
+    return in_capture_graph
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+@functools.cache
+def _overlap_wrapper_code() -> Any:
+    """The code object every `dbo.overlap` wrapper runs (a wrapper is recognized by it)."""
+    return overlap(_identity).__code__
+
+
+def _cuda_device(static_inputs: tuple[Any, ...]) -> torch.device:
+    """The device of the first CUDA tensor in `static_inputs`; RuntimeError without one."""
+    devices = [leaf.device for leaf in tree_leaves(static_inputs) if isinstance(leaf, torch.Tensor)]
+    for device in devices:
+        if device.type == "cuda":
+            return device
+    found = ", ".join(sorted({str(device) for device in devices})) or "no tensor"
+    raise RuntimeError(
+        f"CUDA graphs need a CUDA device, but the static inputs of dbo.capture_graph hold "
+        f"{found}; pass CUDA tensors (dbo.overlap runs the same function eagerly anywhere)"
+    )
+
+
+def _split(static_inputs: tuple[Any, ...], num_ubatches: int) -> UBatchInputs:
+    """`static_inputs` split along dim 0 into `num_ubatches` parts (views)."""
+    size = batch_size_of(splittable_leaves(static_inputs, {}))
+    if size is None or size < num_ubatches:
+        held = "no tensor with a dim 0" if size is None else f"a batch of {size}"
+        raise ValueError(
+            f"dbo.capture_graph splits its static inputs along dim 0 into "
+            f"num_ubatches={num_ubatches} parts, but they hold {held}; capture a batch of "
+            "at least num_ubatches rows (pad a decode batch to a captured size)"
+        )
+    return split_parts(static_inputs, {}, num_ubatches)
+
+
+def _lock_workspace() -> Callable[[], None]:
+    """Lock the process-wide workspace (if any and not locked yet) before the capture: the
+    addresses the graph holds are then final (a slot realized later would free a buffer
+    the graph writes), and a request that would grow it fails the capture. Returns what
+    undoes this call."""
+    import workspace  # workspace imports dbo: not at module load
+
+    if not workspace.is_workspace_manager_initialized():
+        return lambda: None
+    manager = workspace.current_workspace_manager()
+    if manager.is_locked():
+        return lambda: None
+    manager.lock()
+    return manager.unlock
+
+
+class _Capture:
+    """One CUDA-graph capture on a side stream of `device`, and its cleanup on failure."""
+
+    def __init__(self, device: torch.device, pool: Any) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        self.graph = torch.cuda.CUDAGraph()
+        self.stream = torch.cuda.Stream(device)
+
+    @contextlib.contextmanager
+    def current_stream(self) -> Iterator[None]:
+        """The side stream current in this thread (after the caller's stream's work so
+        far), for the warmup and the capture alike; the caller's stream waits for it after."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
+
+    def begin(self) -> None:
+        # As torch.cuda.graph does: the warmup's kernels are done and their blocks freed.
+        torch.cuda.synchronize(self.device)
+        try:
+            self.graph.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
+        except BaseException:
+            self._drop()
+            raise
+
+    def end(self) -> None:
+        try:
+            self.graph.capture_end()
+        except BaseException:  # an invalidated capture: nothing to replay
+            self._drop()
+            raise
+
+    def abandon(self) -> None:
+        """After a failed run: end the capture (this thread began it) and drop the graph."""
+        with contextlib.suppress(Exception):  # an invalidated capture ends with an error
+            self.graph.capture_end()
+        self._drop()
+
+    def _drop(self) -> None:
+        """Drop the graph, and undo what torch's capture_end leaves undone when it fails:
+        the allocator routing this capture's allocations to the pool, and its use of it."""
+        index = self.device.index
+        with contextlib.suppress(RuntimeError):  # capture_end got that far
+            torch._C._cuda_endAllocateToPool(index, self.pool)
+        try:
+            self.graph.pool()  # only after capture_end ended the capture: reset releases it
+        except RuntimeError:
+            with contextlib.suppress(RuntimeError):
+                torch._C._cuda_releasePool(index, self.pool)
+        self.graph.reset()

@@ -1,0 +1,287 @@
+"""`dbo.capture_graph` on CPU: its checks, and its control flow with the CUDA capture
+faked (warmup on the ubatch threads, workspace lock, capture, cleanup after a failure);
+the CUDA part itself is in tests/gpu/test_capture_graph.py."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import dbo
+import dbo.graphs
+import workspace
+from dbo._context import num_registered_threads
+from dbo.graphs import refuse_under_capture
+
+
+class FakeCapture:
+    """Stands in for `dbo.graphs._Capture`: records the calls in `log`."""
+
+    log: list[str] = []
+
+    def __init__(self, device: torch.device, pool: Any) -> None:
+        self.device = device
+        self.graph = self  # replay() below plays the CUDA graph's part
+
+    @contextmanager
+    def current_stream(self) -> Iterator[None]:
+        self.log.append("stream")
+        try:
+            yield
+        finally:
+            self.log.append("stream done")
+
+    def begin(self) -> None:
+        self.log.append("begin")
+
+    def end(self) -> None:
+        self.log.append("end")
+
+    def abandon(self) -> None:
+        self.log.append("abandon")
+
+    def replay(self) -> None:
+        self.log.append("replay")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """capture_graph with CPU tensors, its CUDA capture faked; the call log."""
+    FakeCapture.log = []
+    monkeypatch.setattr(dbo.graphs, "_Capture", FakeCapture)
+    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
+    return FakeCapture.log
+
+
+def logging_fn(log: list[str], fail_at_call: int | None = None) -> Any:
+    """A function that logs each ubatch's call (and its phase), yields once, and raises
+    at call `fail_at_call` of ubatch 1 (counting from 1)."""
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            calls[0] += 1
+            if calls[0] == fail_at_call:
+                raise ValueError("boom")
+        log.append(f"fn {dbo.current_ubatch_id()}")
+        dbo.yield_()
+        return x * 2
+
+    return fn
+
+
+def test_the_api_is_exported_and_documented() -> None:
+    assert {"capture_graph", "OverlapGraph"} <= set(dbo.__all__)
+    doc = dbo.capture_graph.__doc__ or ""
+    for phrase in ("warmup", "CUDA graphs need a CUDA device", "decision_group", "locked"):
+        assert phrase in doc
+    assert dbo.OverlapGraph.replay.__doc__ and dbo.OverlapGraph.__call__.__doc__
+
+
+def test_cpu_inputs_raise_the_cuda_device_error_before_running_fn() -> None:
+    ran: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        ran.append(1)
+        return x
+
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device.*cpu"):
+        dbo.capture_graph(fn, torch.zeros(4, 2))
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device.*no tensor"):
+        dbo.capture_graph(fn, 3)
+    assert ran == []
+
+
+@pytest.mark.parametrize("options", [{"decision_group": object()}, {}])
+def test_an_overlap_wrapper_is_refused_naming_the_decision_group(options: dict[str, Any]) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("fn must not run")
+
+    match = r"dbo.overlap wrapper; pass the function.*decision_group"
+    with pytest.raises(RuntimeError, match=match):
+        dbo.capture_graph(dbo.overlap(fn, **options), torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"warmup": 0}, ValueError, "warmup must be an int >= 1"),
+        ({"warmup": 1.0}, TypeError, "warmup must be an int >= 1"),
+        ({"warmup": True}, TypeError, "warmup must be an int >= 1"),
+        ({"num_ubatches": 0}, ValueError, "num_ubatches"),
+        ({"num_ubatches": "2"}, TypeError, "num_ubatches"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_runs(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        dbo.capture_graph(lambda x: x, torch.zeros(4, 2), **kwargs)
+    with pytest.raises(TypeError, match="needs a callable"):
+        dbo.capture_graph(3, torch.zeros(4, 2))  # type: ignore[arg-type]
+
+
+def test_a_batch_smaller_than_num_ubatches_is_refused(fake_cuda: list[str]) -> None:
+    with pytest.raises(ValueError, match="num_ubatches=3 parts, but they hold a batch of 2"):
+        dbo.capture_graph(lambda x: x, torch.zeros(2, 2), num_ubatches=3)
+    with pytest.raises(ValueError, match="no tensor with a dim 0"):
+        dbo.capture_graph(lambda x: x, torch.tensor(1.0))
+    assert fake_cuda == []
+
+
+def test_inside_an_overlap_it_raises() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with pytest.raises(RuntimeError, match="inside an overlap"):
+            dbo.capture_graph(lambda y: y, x)
+        return x
+
+    dbo.overlap(fn)(torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_warmup_runs_on_the_ubatch_threads_then_one_captured_run(
+    fake_cuda: list[str], warmup: int
+) -> None:
+    x = torch.arange(8.0).reshape(4, 2)
+    graph = dbo.capture_graph(logging_fn(fake_cuda), x, warmup=warmup)
+    run = ["fn 0", "fn 1"]
+    assert fake_cuda == ["stream", *run * warmup, "begin", *run, "end", "stream done"]
+    assert torch.equal(graph.outputs, x * 2)
+    assert graph.static_inputs[0] is x
+
+
+def test_calling_the_graph_copies_into_the_static_inputs_then_replays(
+    fake_cuda: list[str],
+) -> None:
+    x = torch.zeros(4, 2)
+    graph = dbo.capture_graph(lambda t: t + 1, x)
+    fake_cuda.clear()
+    new = torch.ones(4, 2)
+    assert graph(new) is graph.outputs
+    assert torch.equal(x, new) and fake_cuda == ["replay"]
+    mismatches = [((torch.ones(2, 4),), "captured shape"), ((x, 1), "structured like")]
+    for bad, match in mismatches:
+        with pytest.raises(ValueError, match=match):
+            graph(*bad)
+    assert fake_cuda == ["replay"]  # no replay after a mismatch
+
+
+def test_a_non_tensor_static_input_must_be_equal_at_replay(fake_cuda: list[str]) -> None:
+    graph = dbo.capture_graph(lambda t, scale: t * scale, torch.zeros(4, 2), 3)
+    graph(torch.ones(4, 2), 3)
+    with pytest.raises(ValueError, match="input leaf 1 is 4.*captured with 3"):
+        graph(torch.ones(4, 2), 4)
+
+
+def test_refuse_under_capture_returns_outside_capture_graph() -> None:
+    refuse_under_capture("comm.moe.dispatch")  # outside any overlap
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        refuse_under_capture("comm.moe.dispatch")  # in a plain overlap
+        return x
+
+    dbo.overlap(fn)(torch.zeros(4, 2))
+
+
+def test_refuse_under_capture_raises_on_a_capturing_cuda_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="my_op cannot be captured"):
+        refuse_under_capture("my_op")
+
+
+@pytest.mark.parametrize("phase", ["warmup", "capture"])
+def test_refuse_under_capture_raises_in_every_ubatch_of_a_capture_graph_run(
+    fake_cuda: list[str], phase: str
+) -> None:
+    """Ubatch 1 refuses at its first call (warmup) or at its third (the capture, after
+    two warmups): the error names the call and the fix, and a refusal in the warmup
+    comes before the capture begins."""
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        dbo.yield_()
+        if dbo.current_ubatch_id() == 1:
+            calls[0] += 1
+            if calls[0] == (1 if phase == "warmup" else 3):
+                refuse_under_capture("comm.moe.dispatch")
+        return x
+
+    with pytest.raises(RuntimeError, match="comm.moe.dispatch cannot be captured.*dispatch_fixed"):
+        dbo.capture_graph(fn, torch.zeros(4, 2))
+    expected = ["stream", "stream done"] if phase == "warmup" else [
+        "stream", "begin", "abandon", "stream done"
+    ]
+    assert fake_cuda == expected
+
+
+@pytest.mark.parametrize("fail_at_call", [1, 3])
+def test_after_a_failure_nothing_runs_and_the_runner_is_usable(
+    fake_cuda: list[str], fail_at_call: int
+) -> None:
+    """A failure in the warmup (call 1) or in the capture (call 3): the first failure
+    with its ubatch id, the capture abandoned, no ubatch thread left registered, no new
+    thread, and dbo.overlap and another capture work afterwards."""
+    x = torch.arange(8.0).reshape(4, 2)
+    dbo.capture_graph(logging_fn([]), x)  # the pooled runner's threads exist from here on
+    threads = threading.active_count()
+    fake_cuda.clear()
+    with pytest.raises(ValueError, match="boom") as raised:
+        dbo.capture_graph(logging_fn([], fail_at_call=fail_at_call), x)
+    assert getattr(raised.value, "ubatch_id", None) == 1
+    assert ("abandon" in fake_cuda) == (fail_at_call == 3) and "end" not in fake_cuda
+    assert fake_cuda[-1] == "stream done"
+    assert num_registered_threads() == 0 and threading.active_count() == threads
+    assert torch.equal(dbo.overlap(lambda t: t * 2)(x), x * 2)
+    assert torch.equal(dbo.capture_graph(logging_fn([]), x).outputs, x * 2)
+    assert threading.active_count() == threads
+
+
+@pytest.mark.usefixtures("fresh_workspace_global")
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_workspace_is_locked_before_the_capture_and_unlocked_after_a_failure(
+    fake_cuda: list[str], fail: bool
+) -> None:
+    manager = workspace.init_workspace_manager("cpu", num_ubatches=2)
+    locked_at: list[bool] = []
+    calls = [0]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        (scratch,) = manager.get_simultaneous(((x.shape[0], 16), torch.float32))
+        if calls[0] > 4:  # the captured run (two ubatches, two warmups before it)
+            locked_at.append(manager.is_locked())
+            if fail:
+                raise ValueError("boom")
+        scratch.copy_(x.sum(dim=1, keepdim=True).expand(-1, 16))
+        dbo.yield_()
+        return scratch[:, :1].clone()
+
+    x = torch.arange(8.0).reshape(4, 2)
+    if fail:
+        with pytest.raises(ValueError, match="boom"):
+            dbo.capture_graph(fn, x)
+    else:
+        graph = dbo.capture_graph(fn, x)
+        assert torch.equal(graph.outputs, x.sum(dim=1, keepdim=True))
+    assert locked_at[0] is True and manager.is_locked() is not fail
+    stats = manager.stats()
+    assert stats.realized_bytes_per_slot == (stats.capacity_bytes,) * 2
+
+
+@pytest.mark.usefixtures("fresh_workspace_global")
+def test_a_workspace_the_caller_locked_stays_locked_after_a_failure(
+    fake_cuda: list[str],
+) -> None:
+    manager = workspace.init_workspace_manager("cpu", num_ubatches=2)
+    manager.lock()
+    with pytest.raises(ValueError, match="boom"):
+        dbo.capture_graph(logging_fn([], fail_at_call=3), torch.zeros(4, 2))
+    assert manager.is_locked()
