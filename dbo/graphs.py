@@ -1,9 +1,5 @@
-"""`dbo.capture_graph`: both ubatches of one overlapped call in one CUDA graph.
-
-A decode step is short enough that launching its kernels from two ubatch threads, with a
-handoff between them, can take longer than running them. A CUDA graph replays the same
-kernels on the same stream branches, ordered by the same events, with one launch and no
-threads: the decode path of an overlapped model, built on the runtime that runs prefill.
+"""`dbo.capture_graph`: both ubatches of one overlapped call in one CUDA graph, replayed
+with one launch and no threads (a decode step's launches can take longer than its kernels).
 """
 
 from __future__ import annotations
@@ -64,22 +60,16 @@ class OverlapGraph:
         tensors of their shapes and equal non-tensor leaves."""
         leaves, spec = tree_flatten(inputs)
         if spec != self._spec:
-            raise ValueError(
-                f"OverlapGraph takes inputs structured like its static inputs ({self._spec}), "
-                f"got {spec}"
-            )
+            raise ValueError(f"inputs must be structured like the static inputs: {self._spec}")
         for index, (static, new) in enumerate(zip(self._leaves, leaves)):
             if isinstance(static, torch.Tensor):
-                if not isinstance(new, torch.Tensor) or new.shape != static.shape:
-                    got = tuple(new.shape) if isinstance(new, torch.Tensor) else type(new).__name__
-                    raise ValueError(
-                        f"input leaf {index} must be a tensor of the captured shape "
-                        f"{tuple(static.shape)}, got {got}; capture one graph per batch size"
-                    )
-            elif new != static:
+                same = isinstance(new, torch.Tensor) and new.shape == static.shape
+            else:
+                same = not isinstance(new, torch.Tensor) and new == static
+            if not same:
                 raise ValueError(
-                    f"input leaf {index} is {new!r}, but the graph was captured with "
-                    f"{static!r}: non-tensor inputs are part of the graph"
+                    f"input leaf {index} is {_described(new)}, but the graph was captured "
+                    f"with {_described(static)}: capture one graph per batch size"
                 )
         for static, new in zip(self._leaves, leaves):
             if isinstance(static, torch.Tensor) and new is not static:
@@ -88,21 +78,27 @@ class OverlapGraph:
         return self.outputs
 
 
+def _described(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"a tensor of shape {tuple(leaf.shape)}"
+    return repr(leaf)
+
+
 def capture_graph(
     fn: Callable[..., Any], *static_inputs: Any, num_ubatches: int = 2, warmup: int = 2,
     pool: Any = None,
 ) -> OverlapGraph:
     """Capture `fn` overlapped over `num_ubatches` ubatches of `static_inputs` in one CUDA graph.
 
-    The inputs are split along dim 0 and the outputs merged as `dbo.overlap(fn)` does.
-    `warmup` eager runs come first, on the same ubatch threads and streams as the
-    capture, so that what cannot be captured is done before it: cuBLAS handles, NCCL
-    communicators, the workspace at its final size. The process-wide workspace (if any)
-    is then locked and one more run is captured: the ubatch streams fork from the
-    capture stream (a side stream, current in this thread) and join back into it through
-    the runner's events, while the baton runs as usual. One capture at a time in the
-    process, and no other thread may use CUDA during it (`CAPTURE_ERROR_MODE`). `pool`:
-    a `torch.cuda.graph_pool_handle()` (or another graph's `pool()`) to share memory
+    The inputs are split along dim 0 and the outputs merged as `dbo.overlap(fn)` does,
+    always in ubatches. `warmup` eager runs come first, on the ubatch threads and streams
+    of the capture, to do what cannot be captured: cuBLAS handles, NCCL communicators,
+    the workspace at its final size. The process-wide workspace (if any) is then locked
+    and one more run is captured: the ubatch streams fork from the capture stream (a side
+    stream, current in this thread) and join back into it through the runner's events;
+    the baton runs as usual. Work `fn` puts on streams of its own must rejoin its ubatch's
+    stream before `fn` returns. One capture at a time, and no other thread may use CUDA
+    meanwhile (`CAPTURE_ERROR_MODE`). `pool`: a `torch.cuda.graph_pool_handle()` shared
     with graphs that never replay at the same time.
 
     Raises before capturing: RuntimeError "CUDA graphs need a CUDA device" without a
@@ -194,14 +190,10 @@ def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
     return in_capture_graph
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
 @functools.cache
 def _overlap_wrapper_code() -> Any:
     """The code object every `dbo.overlap` wrapper runs (a wrapper is recognized by it)."""
-    return overlap(_identity).__code__
+    return overlap(lambda x: x).__code__
 
 
 def _cuda_device(static_inputs: tuple[Any, ...]) -> torch.device:
@@ -231,10 +223,9 @@ def _split(static_inputs: tuple[Any, ...], num_ubatches: int) -> UBatchInputs:
 
 
 def _lock_workspace() -> Callable[[], None]:
-    """Lock the process-wide workspace (if any and not locked yet) before the capture: the
-    addresses the graph holds are then final (a slot realized later would free a buffer
-    the graph writes), and a request that would grow it fails the capture. Returns what
-    undoes this call."""
+    """Lock the process-wide workspace (if any, and unlocked) before the capture, so that
+    the graph holds final addresses (a slot realized later would free a buffer the graph
+    writes) and growth fails the capture; returns what undoes it."""
     import workspace  # workspace imports dbo: not at module load
 
     if not workspace.is_workspace_manager_initialized():
@@ -257,8 +248,8 @@ class _Capture:
 
     @contextlib.contextmanager
     def current_stream(self) -> Iterator[None]:
-        """The side stream current in this thread (after the caller's stream's work so
-        far), for the warmup and the capture alike; the caller's stream waits for it after."""
+        """The side stream current here, ordered after the caller's, for the warmup and
+        the capture alike (the same streams everywhere); the caller's waits for it after."""
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)
         try:

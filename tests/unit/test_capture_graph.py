@@ -164,7 +164,9 @@ def test_calling_the_graph_copies_into_the_static_inputs_then_replays(
     new = torch.ones(4, 2)
     assert graph(new) is graph.outputs
     assert torch.equal(x, new) and fake_cuda == ["replay"]
-    mismatches = [((torch.ones(2, 4),), "captured shape"), ((x, 1), "structured like")]
+    mismatches = [
+        ((torch.ones(2, 4),), r"shape \(2, 4\).*shape \(4, 2\)"), ((x, 1), "structured like")
+    ]
     for bad, match in mismatches:
         with pytest.raises(ValueError, match=match):
             graph(*bad)
@@ -174,7 +176,7 @@ def test_calling_the_graph_copies_into_the_static_inputs_then_replays(
 def test_a_non_tensor_static_input_must_be_equal_at_replay(fake_cuda: list[str]) -> None:
     graph = dbo.capture_graph(lambda t, scale: t * scale, torch.zeros(4, 2), 3)
     graph(torch.ones(4, 2), 3)
-    with pytest.raises(ValueError, match="input leaf 1 is 4.*captured with 3"):
+    with pytest.raises(ValueError, match="input leaf 1 is 4, but the graph was captured with 3"):
         graph(torch.ones(4, 2), 4)
 
 
