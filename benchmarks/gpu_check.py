@@ -3,22 +3,15 @@
     bash benchmarks/gpu_check.sh OUTDIR                 # PYTHON=... picks the interpreter
     python benchmarks/gpu_check.py OUTDIR --only pytest,overlap   # a rerun of some steps
 
-Each step is a subprocess with its own timeout; the timeouts add up to 7 minutes, so the
-run ends within 8 whatever hangs (on one H200 it should take about half that):
-
-    preflight    torch sees a CUDA device (if not, the report says so and nothing else runs)
-    pytest       `pytest -m gpu tests` (some start one NCCL rank under torchrun)
-    sync-debug   the fixed-shape MoE path, overlapped, under set_sync_debug_mode("error")
-    moe-dynamic  examples/moe_overlap.py on one NCCL rank, dynamic path
-    moe-fixed    the same, fixed-shape path (--fixed-capacity)
-    graph        eager DBO vs graph-replayed DBO at 16-256 tokens
-    overlap      bf16 GEMMs against EmulatedLink transfers, 0.1-2 ms segments
-    workspace    workspace views vs torch.empty, on CPU and CUDA
-
-then `num_alloc_retries` (torch.cuda.memory_stats at the end of each benchmark). Written
-to OUTDIR: gpu_check.md (the report), gpu_check.json (the same and every step's result),
-<step>.log (each step's output). Exit status 0 when every step passed, else 1: a step
-failed, timed out or did not run, a result was wrong, or a goal was missed.
+The steps (STEPS), each a subprocess with a timeout of its own: the preflight (torch sees
+a CUDA device; if not, the report says so and nothing else runs), `pytest -m gpu`, the
+fixed-shape MoE path under `set_sync_debug_mode("error")`, the MoE example on one NCCL
+rank (dynamic and fixed-shape), eager vs graph-replayed DBO at decode sizes, bf16 GEMMs
+against `EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
+`num_alloc_retries`. The timeouts add up to about 7 minutes, so a run ends within 8
+whatever hangs. Written to OUTDIR: gpu_check.md, gpu_check.json (the same, with every
+step's result), <step>.log. Exit status 0 when every step passed, else 1: a step failed,
+timed out or did not run, a result was wrong, or a goal was missed.
 """
 
 from __future__ import annotations
@@ -65,11 +58,8 @@ class Step:
 def last_json_line(output: str) -> Result | None:
     """The last line of `output` that is a JSON object (torchrun may print after it)."""
     for line in reversed(output.splitlines()):
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(line) if line.startswith("{") else None
             if isinstance(value, dict):
                 return value
     return None
@@ -85,16 +75,16 @@ if facts["cuda_available"]:
     facts.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1),
                  capability=f"{p.major}.{p.minor}", cuda=torch.version.cuda,
                  devices=torch.cuda.device_count(),
-                 nccl=".".join(map(str, torch.cuda.nccl.version())))
+                 nccl=".".join(map(str, torch.cuda.nccl.version()))
+                 if torch.distributed.is_nccl_available() else "none")
 print(json.dumps(facts))
 """
 
 
 def _preflight(result: Result) -> tuple[list[Row], list[str]]:
-    if not result["cuda_available"]:
-        return [], [f"no CUDA device (torch {result['torch']}: torch.cuda.is_available() "
-                    "is False); nothing was measured"]
-    return [], []
+    return [], [] if result["cuda_available"] else [
+        f"no CUDA device (torch {result['torch']}: torch.cuda.is_available() is False); "
+        "nothing was measured"]
 
 
 def read_junit(output: str, out: Path) -> Result | None:
@@ -138,7 +128,8 @@ def _sync_debug(result: Result) -> tuple[list[Row], list[str]]:
         problems.append("the overlapped steps differ from the serial ubatches")
     if not result["sync_checked"] or result["backend"] != "nccl":
         problems.append(f"ran on {result['device']} ({result['backend']}), not CUDA and NCCL")
-    value = "a sync" if result["sync_error"] else f"0 syncs in {result['steps']} steps"
+    value = ("a sync" if result["sync_error"] else f"0 syncs in {result['steps']} steps"
+             if result["sync_checked"] else "not checked")
     return [(f"fixed-shape MoE overlapped under `set_sync_debug_mode(\"error\")`, "
              f"{result['tokens']} tokens, capacity {result['capacity']}", value,
              "goal: no synchronizing CUDA call; outputs bitwise equal to the serial ubatches")
@@ -152,10 +143,14 @@ def _moe(path: str) -> Callable[[Result], tuple[list[Row], list[str]]]:
             problems.append(f"ran with {result['backend']} on {result['device']}, not NCCL")
         if not (result["bitwise_equal"] and result["allclose_vs_unsplit"]):
             problems.append("DBO differs from the same ubatches in turn or the whole batch")
+        reads = result.get("host_reads_per_step")
+        if path == "fixed-shape" and reads:
+            problems.append(f"{reads} host reads per step on the fixed-shape path (goal 0)")
         return [(f"`moe_overlap.py`, {path} path, one NCCL rank, {result['tokens']} tokens: "
                  "DBO vs the same ubatches in turn / vs the whole batch",
                  f"{result['speedup_vs_split']:.2f}x / {result['speedup']:.2f}x",
-                 "step-time speedups; one rank: every all-to-all is a local copy")], problems
+                 f"step-time speedups ({reads} host reads per step); one rank: every "
+                 "all-to-all is a local copy")], problems
     return judge
 
 
@@ -328,8 +323,10 @@ def _machine(facts: Result) -> str:
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    def line(cells: tuple[str, ...]) -> str:  # an error message may hold | or newlines
+        return "| " + " | ".join(" ".join(c.replace("|", "\\|").split()) for c in cells) + " |"
+
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]
 
 
 def report(records: list[Result], started: datetime.datetime, total_s: float,

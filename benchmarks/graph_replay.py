@@ -145,7 +145,8 @@ def main() -> int:
           f"{'eager/graph':>12} {'whole/DBO':>10} {'bitwise':>8}")
     rows = []
     for tokens in (int(size) for size in args.tokens.split(",")):
-        row = measure(fn, tokens, args.hidden, args.steps, args.rounds)
+        with torch.no_grad():  # decode: no autograd graph
+            row = measure(fn, tokens, args.hidden, args.steps, args.rounds)
         rows.append(row)
         print(f"{tokens:>6} {row['eager_dbo_ms']:>10.3f} {row['graph_dbo_ms']:>10.3f} "
               f"{row['graph_whole_ms']:>13.3f} {row['graph_speedup']:>11.2f}x "

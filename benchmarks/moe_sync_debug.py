@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 import comm
 import dbo
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         result: dict[str, object] = {
-            "backend": torch.distributed.get_backend(), "device": device.type,
+            "rank": rank, "backend": dist.get_backend(), "device": device.type,
             "world_size": world_size, "tokens": args.tokens, "capacity": args.capacity,
             "layers": args.layers, "steps": args.steps,
             "sync_checked": device.type == "cuda", "sync_error": None,
@@ -118,18 +119,19 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="end with one JSON line")
     args = parser.parse_args()
     args.capacity = args.capacity or args.tokens  # >= the tokens: nothing is dropped
-    result = run(args)
-    ok = result["sync_error"] is None and result["bitwise_equal"]
-    print(
-        f"fixed-shape MoE, {result['steps']} overlapped steps on {result['device']} "
-        f"({result['backend']}): "
-        + ("no sync check on CPU; " if not result["sync_checked"] else "")
-        + (f"a synchronizing call: {result['sync_error']}" if result["sync_error"]
-           else f"no synchronizing call; bitwise equal to serial: {result['bitwise_equal']}")
-    )
-    if args.json:
-        print(json.dumps(result))
-    return 0 if ok else 1
+    with torch.no_grad():  # decode: no autograd graph
+        result = run(args)
+    if result["sync_error"]:
+        verdict = f"a synchronizing call: {result['sync_error']}"
+    else:
+        verdict = ("no synchronizing call" if result["sync_checked"] else "no sync check on CPU")
+        verdict += f"; bitwise equal to the serial ubatches: {result['bitwise_equal']}"
+    if result["rank"] == 0:
+        print(f"fixed-shape MoE, {args.steps} overlapped steps on {result['device']} "
+              f"({result['backend']}, {result['world_size']} ranks): {verdict}")
+        if args.json:
+            print(json.dumps(result))
+    return 0 if result["sync_error"] is None and result["bitwise_equal"] else 1
 
 
 if __name__ == "__main__":

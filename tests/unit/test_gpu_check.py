@@ -1,0 +1,258 @@
+"""`benchmarks/gpu_check.py`: each step judged from what it printed, the report and the exit
+status, fake steps run under their timeouts, and the wrapper on a machine without CUDA."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+FACTS = {
+    "torch": "2.11.0+cu130", "python": "3.12.3", "cpus": 16, "cuda_available": True,
+    "gpu": "NVIDIA H200", "gpu_memory_gib": 139.8, "capability": "9.0", "devices": 1,
+    "cuda": "13.0", "nccl": "2.27.7",
+}
+STARTED = datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.timezone.utc)
+
+
+def _module() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check_benchmarks", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _module()
+JUDGES = {step.name: step for step in gpu_check.STEPS}
+
+
+def _x_rows(result: dict[str, Any]) -> tuple[list[tuple[str, str, str]], list[str]]:
+    problems = ["goal missed: x below 1"] if result["x"] < 1 else []
+    return [("the x ratio", f"{result['x']:.2f}", "goal >= 1")], problems
+
+
+def _step(name: str, *argv: str, timeout_s: float = 10.0) -> Any:
+    return gpu_check.Step(name, f"checks {name}", argv, timeout_s, _x_rows)
+
+
+def _preflight_record(tmp_path: Path) -> dict[str, Any]:
+    return gpu_check.judge_step(JUDGES["preflight"], 0, json.dumps(FACTS), tmp_path)
+
+
+def test_the_steps_fit_in_eight_minutes_whatever_hangs() -> None:
+    names = [step.name for step in gpu_check.STEPS]
+    assert names[0] == "preflight" and len(set(names)) == len(names)
+    worst_s = sum(step.timeout_s for step in gpu_check.STEPS) + len(names) * gpu_check.KILL_GRACE_S
+    assert worst_s <= gpu_check.BUDGET_S <= 8 * 60 - 30
+
+
+def test_a_run_where_every_step_passes_reports_its_rows_and_passes(tmp_path: Path) -> None:
+    records = [_preflight_record(tmp_path), gpu_check.judge_step(
+        _step("bench"), 0, 'human line\n{"x": 2.0, "cuda_alloc_retries": 0}\n', tmp_path)]
+    records.append(gpu_check.alloc_retries(records))
+    markdown, data = gpu_check.report(records, STARTED, 12.3, "python benchmarks/gpu_check.py O")
+    lines = markdown.splitlines()
+    assert lines[0] == "# GPU check: passed", lines[0]
+    assert "Date: 2026-01-02 03:04 UTC" in markdown
+    assert "GPU: NVIDIA H200, 139.8 GiB, compute capability 9.0" in markdown
+    assert "torch 2.11.0+cu130, Python 3.12.3" in markdown
+    assert "| bench | checks bench | passed |" in markdown
+    assert "| the x ratio | 2.00 | goal >= 1 |" in lines
+    assert any(line.startswith("| `torch.cuda.memory_stats()") and "bench 0" in line
+               for line in lines), markdown
+    assert "did not pass" not in markdown
+    decoded = json.loads(json.dumps(data))  # the JSON file holds exactly this
+    assert decoded["passed"] is True and decoded["machine"] == FACTS
+    assert [step["status"] for step in decoded["steps"]] == ["passed"] * 3
+    assert decoded["steps"][1]["result"] == {"x": 2.0, "cuda_alloc_retries": 0}
+
+
+@pytest.mark.parametrize(
+    ("returncode", "output", "status", "why"),
+    [
+        (None, "started\nstill working\n", "timed out", "timed out after 10 s"),
+        (3, "Traceback (most recent call last):\nRuntimeError: boom\n", "failed", "exit status 3"),
+        (0, "a table and no JSON line\n", "failed", "no result"),
+        (0, '{"x": 0.5}\n', "failed", "goal missed: x below 1"),
+        (0, '{"y": 1}\n', "failed", "unexpected result (KeyError"),
+        (0, '{"x": 2.0, "cuda_alloc_retries": 3}\n', "passed", ""),  # memory fails instead
+    ],
+)
+def test_a_step_that_fails_times_out_or_misses_a_goal_fails_the_run(
+    tmp_path: Path, returncode: int | None, output: str, status: str, why: str
+) -> None:
+    record = gpu_check.judge_step(_step("bench"), returncode, output, tmp_path)
+    assert record["status"] == status and record["why"].startswith(why), record
+    records = [_preflight_record(tmp_path), record]
+    records.append(gpu_check.alloc_retries(records))
+    markdown, data = gpu_check.report(records, STARTED, 1.0, "cmd")
+    assert data["passed"] is False
+    assert markdown.startswith("# GPU check: failed (") and "## What did not pass" in markdown
+    if status != "passed":
+        assert f"- **bench** ({status}): {why}" in markdown
+    else:
+        assert "- **memory** (failed): bench: 3 cudaMalloc retries" in markdown
+    if returncode != 0 or status == "failed" and why == "no result":
+        assert "  " + output.splitlines()[-1] in markdown.splitlines()  # the log's tail
+
+
+def _write(directory: Path, scripts: dict[str, str]) -> None:
+    for name, text in scripts.items():
+        (directory / name).write_text(text)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"  # a zombie no longer runs
+
+
+def test_main_runs_each_step_under_its_timeout_and_exits_1_when_one_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _write(tmp_path, {
+        "preflight.py": f"print({json.dumps(FACTS)!r})",
+        "good.py": 'print("human output"); print(\'{"x": 2.0, "cuda_alloc_retries": 0}\')',
+        "bad.py": "raise SystemExit(3)",
+        "slow.py": "import subprocess, sys, time\n"
+                   "child = subprocess.Popen(['sleep', '60'])\n"
+                   "open(sys.argv[1], 'w').write(str(child.pid))\ntime.sleep(60)\n",
+    })
+    out = tmp_path / "out"
+    steps = (gpu_check.Step("preflight", "CUDA", ("preflight.py",), 10, JUDGES["preflight"].judge),
+             _step("good", "good.py"), _step("bad", "bad.py"),
+             _step("slow", "slow.py", "{out}/child.pid", timeout_s=1.0))
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    begin = time.monotonic()
+    assert gpu_check.main([str(out)]) == 1
+    assert time.monotonic() - begin < 30
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert {step["name"]: step["status"] for step in data["steps"]} == {
+        "preflight": "passed", "good": "passed", "bad": "failed", "slow": "timed out",
+        "memory": "passed",
+    }
+    child = int((out / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child), "the timed-out step's process group was not killed"
+    assert "human output" in (out / "good.log").read_text()
+    markdown = (out / "gpu_check.md").read_text()
+    assert markdown.startswith("# GPU check: failed (2 of 5 steps did not pass)")
+    assert "- good: `python good.py`" in markdown
+    assert "report: " in capsys.readouterr().err
+    assert gpu_check.main([str(out), "--only", "good"]) == 0  # a rerun of one step
+    assert [step["name"] for step in json.loads((out / "gpu_check.json").read_text())["steps"]
+            ] == ["preflight", "good", "memory"]
+
+
+def test_without_cuda_nothing_but_the_preflight_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(tmp_path, {
+        "preflight.py": f"print({json.dumps({**FACTS, 'cuda_available': False})!r})",
+        "never.py": "open('ran', 'w')",
+    })
+    steps = (gpu_check.Step("preflight", "CUDA", ("preflight.py",), 10, JUDGES["preflight"].judge),
+             _step("never", "never.py"))
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    assert gpu_check.main([str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "ran").exists()
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert [step["status"] for step in data["steps"]] == ["failed", "not run", "not run"]
+    assert data["verdict"].startswith("not run: no CUDA device")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_wrapper_without_cuda_exits_1_quickly_and_says_so_in_the_report(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    begin = time.monotonic()
+    completed = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path)],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )
+    assert completed.returncode == 1, completed.stdout + completed.stderr
+    assert time.monotonic() - begin < 30
+    assert "gpu_check: not run: no CUDA device" in completed.stderr
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.startswith("# GPU check: not run: no CUDA device (torch ")
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["passed"] is False
+    usage = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+                           capture_output=True, text=True, timeout=30)
+    assert usage.returncode == 2 and "usage: " in usage.stderr
+
+
+def _overlap_row(size_ms: float, hidden: float) -> dict[str, Any]:
+    return {"c_nominal_ms": size_ms, "m_ms": size_ms, "num_ubatches": 2, "hidden": hidden}
+
+
+def test_the_overlap_goal_counts_from_200_us() -> None:
+    result = {"dtype": "bfloat16", "layers": 32, "rows": [
+        _overlap_row(0.1, 0.5), _overlap_row(0.2, 0.96), _overlap_row(0.5, 0.93),
+        {**_overlap_row(1.0, 0.2), "num_ubatches": 3},  # not a 2-ubatch row: not judged
+    ]}
+    (row,), problems = JUDGES["overlap"].judge(result)
+    assert row[1] == "0.50 / 0.96 / 0.93" and "c = m = 0.1 / 0.2 / 0.5 ms" in row[0]
+    assert problems == ["goal missed: hidden 0.93 at c = m = 0.5 ms (goal >= 0.95)"]
+
+
+def test_pytest_results_come_from_its_junit_xml(tmp_path: Path) -> None:
+    (tmp_path / "pytest.xml").write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.t" name="test_a"/>'
+        '<testcase classname="tests.gpu.t" name="test_b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.gpu.t" name="test_c"><skipped message="2 GPUs"/></testcase>'
+        '<testcase classname="tests.unit.w" name="test_d"><error message="e"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    step = JUDGES["pytest"]
+    record = gpu_check.judge_step(step, 1, "", tmp_path)
+    assert record["status"] == "failed" and record["problems"] == [
+        "failed: tests.gpu.t::test_b", "error: tests.unit.w::test_d"]
+    assert record["rows"][0][1] == "1 passed, 1 failed, 1 errors, 1 skipped"
+    assert "2 GPUs" in record["rows"][0][2]
+    (tmp_path / "pytest.xml").write_text("<testsuites><testsuite>")  # cut short by a kill
+    assert step.parse("", tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "result", "problem"),
+    [
+        ("graph", {"link_us": 30, "rows": [{"tokens": 16, "graph_speedup": 3.0,
+                                            "dbo_vs_whole": 1.1, "bitwise_equal": False}]},
+         "graph replay differs from eager DBO at 16 tokens"),
+        ("sync-debug", {"sync_error": "RuntimeError: called a synchronizing CUDA operation",
+                        "bitwise_equal": False, "sync_checked": True, "backend": "nccl",
+                        "device": "cuda", "steps": 10, "tokens": 128, "capacity": 128},
+         "a synchronizing CUDA call: RuntimeError"),
+        ("moe-fixed", {"backend": "gloo", "device": "cpu", "bitwise_equal": True,
+                       "allclose_vs_unsplit": True, "tokens": 256, "speedup": 1.0,
+                       "speedup_vs_split": 1.2}, "ran with gloo on cpu, not NCCL"),
+        ("workspace", {"rows": [{"device": "cpu", "case": "small", "workspace_us": 1.0,
+                                 "empty_us": 2.0}]}, "no CUDA rows"),
+    ],
+)
+def test_each_benchmark_step_names_what_is_wrong(
+    name: str, result: dict[str, Any], problem: str
+) -> None:
+    rows, problems = JUDGES[name].judge(result)
+    assert rows and problems and problems[0].startswith(problem), problems
