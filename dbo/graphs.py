@@ -40,7 +40,8 @@ class OverlapGraph:
     `outputs` are the static output tensors, rewritten by every replay (clone what must
     outlive the next one); `static_inputs` are what the next replay reads; `cuda_graph`
     is the `torch.cuda.CUDAGraph`. The graph holds the addresses of both and of the
-    workspace buffers: keep the workspace manager, locked, while you replay.
+    workspace buffers: keep the workspace manager, locked, while you replay, and order
+    the replays with the workspace's other users (the same stream does).
     """
 
     def __init__(self, cuda_graph: Any, static_inputs: tuple[Any, ...], outputs: Any) -> None:
@@ -118,6 +119,10 @@ def capture_graph(
             "warmup must be an int >= 1 (the eager runs before the capture initialize what "
             f"cannot be captured: cuBLAS handles, communicators, the workspace), got {warmup!r}"
         )
+    if pool is not None and not (
+        isinstance(pool, tuple) and len(pool) == 2 and all(type(i) is int for i in pool)
+    ):
+        raise TypeError(f"pool must be a torch.cuda.graph_pool_handle() or None, got {pool!r}")
     if current_context() is not None:
         raise RuntimeError("dbo.capture_graph was called inside an overlap; call it outside")
     if getattr(fn, "__code__", None) is _overlap_wrapper_code():
@@ -284,11 +289,11 @@ class _Capture:
         """Drop the graph, and undo what torch's capture_end leaves undone when it fails:
         the allocator routing this capture's allocations to the pool, and its use of it."""
         index = self.device.index
-        with contextlib.suppress(RuntimeError):  # capture_end got that far
+        with contextlib.suppress(Exception):  # capture_end got that far
             torch._C._cuda_endAllocateToPool(index, self.pool)
         try:
             self.graph.pool()  # only after capture_end ended the capture: reset releases it
-        except RuntimeError:
-            with contextlib.suppress(RuntimeError):
+        except Exception:
+            with contextlib.suppress(Exception):
                 torch._C._cuda_releasePool(index, self.pool)
         self.graph.reset()

@@ -115,6 +115,8 @@ def test_an_overlap_wrapper_is_refused_naming_the_decision_group(options: dict[s
         ({"warmup": True}, TypeError, "warmup must be an int >= 1"),
         ({"num_ubatches": 0}, ValueError, "num_ubatches"),
         ({"num_ubatches": "2"}, TypeError, "num_ubatches"),
+        ({"pool": "my pool"}, TypeError, "pool must be a torch.cuda.graph_pool_handle"),
+        ({"pool": (1, 2, 3)}, TypeError, "pool must be"),
     ],
 )
 def test_bad_arguments_raise_before_anything_runs(
