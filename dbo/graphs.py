@@ -111,28 +111,7 @@ def capture_graph(
     ends it (no stream is left capturing), unlocks a workspace it locked and re-raises;
     the runner stays usable.
     """
-    if not callable(fn):
-        raise TypeError(f"dbo.capture_graph needs a callable, got {fn!r}")
-    num_ubatches = check_num_ubatches(num_ubatches)
-    if type(warmup) is not int or warmup < 1:
-        raise (ValueError if type(warmup) is int else TypeError)(
-            "warmup must be an int >= 1 (the eager runs before the capture initialize what "
-            f"cannot be captured: cuBLAS handles, communicators, the workspace), got {warmup!r}"
-        )
-    if pool is not None and not (
-        isinstance(pool, tuple) and len(pool) == 2 and all(type(i) is int for i in pool)
-    ):
-        raise TypeError(f"pool must be a torch.cuda.graph_pool_handle() or None, got {pool!r}")
-    if current_context() is not None:
-        raise RuntimeError("dbo.capture_graph was called inside an overlap; call it outside")
-    if getattr(fn, "__code__", None) is _overlap_wrapper_code():
-        raise RuntimeError(
-            "dbo.capture_graph got a dbo.overlap wrapper; pass the function it wraps "
-            f"({getattr(fn, '__wrapped__', fn)!r}), which capture_graph splits, overlaps and "
-            "merges itself (num_ubatches=). A wrapper's options are not captured: a "
-            "decision_group reads the batch sizes on the host at every call, and a graph "
-            "overlaps at every replay"
-        )
+    num_ubatches = _checked_arguments(fn, num_ubatches, warmup, pool)
     device = _cuda_device(static_inputs)
     parts = _split(static_inputs, num_ubatches)
     capture = _Capture(device, pool)
@@ -155,6 +134,32 @@ def refuse_under_capture(what: str) -> None:
             "routing counts on the host and its output shapes depend on them. Use "
             "comm.moe.dispatch_fixed / comm.moe.combine_fixed (fixed shapes, no host read)"
         )
+
+
+def _checked_arguments(fn: Any, num_ubatches: Any, warmup: Any, pool: Any) -> int:
+    """`capture_graph`'s argument checks; the ubatch count."""
+    if not callable(fn):
+        raise TypeError(f"dbo.capture_graph needs a callable, got {fn!r}")
+    if type(warmup) is not int or warmup < 1:
+        raise (ValueError if type(warmup) is int else TypeError)(
+            "warmup must be an int >= 1 (the eager runs before the capture initialize what "
+            f"cannot be captured: cuBLAS handles, communicators, the workspace), got {warmup!r}"
+        )
+    if pool is not None and not (
+        isinstance(pool, tuple) and len(pool) == 2 and all(type(i) is int for i in pool)
+    ):
+        raise TypeError(f"pool must be a torch.cuda.graph_pool_handle() or None, got {pool!r}")
+    if current_context() is not None:
+        raise RuntimeError("dbo.capture_graph was called inside an overlap; call it outside")
+    if getattr(fn, "__code__", None) is _overlap_wrapper_code():
+        raise RuntimeError(
+            "dbo.capture_graph got a dbo.overlap wrapper; pass the function it wraps "
+            f"({getattr(fn, '__wrapped__', fn)!r}), which capture_graph splits, overlaps and "
+            "merges itself (num_ubatches=). A wrapper's options are not captured: a "
+            "decision_group reads the batch sizes on the host at every call, and a graph "
+            "overlaps at every replay"
+        )
+    return check_num_ubatches(num_ubatches)
 
 
 def _warm_up_and_capture(
