@@ -256,3 +256,41 @@ def test_each_benchmark_step_names_what_is_wrong(
 ) -> None:
     rows, problems = JUDGES[name].judge(result)
     assert rows and problems and problems[0].startswith(problem), problems
+
+
+def _benchmark(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_graph_benchmarks_model_overlaps_bitwise_equal_to_serial_on_cpu() -> None:
+    import dbo
+    from comm import EmulatedLink
+
+    graph_replay = _benchmark("graph_replay.py")
+    fn = graph_replay.make_model(2, 32, 64, EmulatedLink(0.0005), torch.device("cpu"))
+    x = torch.randn(16, 32).to(torch.bfloat16)
+    expected = torch.cat([fn(part) for part in x.tensor_split(2)])
+    try:
+        assert torch.equal(dbo.overlap(fn, timeout_s=30)(x), expected)
+    finally:
+        dbo.close_default_runners()
+
+
+@pytest.mark.distributed
+def test_the_sync_debug_script_runs_the_fixed_shape_path_on_one_gloo_rank() -> None:
+    """On CPU there is no sync check; this keeps the script's model and checks working."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+         str(ROOT / "benchmarks" / "moe_sync_debug.py"), "--layers", "2", "--steps", "2",
+         "--tokens", "32", "--capacity", "8", "--json"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["backend"] == "gloo" and result["sync_checked"] is False
+    assert result["sync_error"] is None and result["bitwise_equal"] is True
