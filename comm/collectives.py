@@ -15,10 +15,18 @@ the timing, so the launch order depends only on the program (do not branch on
 is launched (TypeError / ValueError naming the values); a refused call launches nothing,
 and its peers wait until the group's timeout. Split sizes agreeing between ranks cannot
 be checked locally; `comm.moe.dispatch` exchanges counts so that they always do.
+
+Streams: a call made on a side stream (`with torch.cuda.stream(side):` inside a ubatch)
+is ordered after `side`'s work and `side` after it, as torch.distributed orders the
+current stream, and the rest of the block stays on `side`. A collective an aborted
+ubatch never waited is joined into its streams on CUDA (the caller's stream then waits
+for it: it must not reuse buffers NCCL still uses); a gloo one is left to
+`comm._abandoned`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import weakref
@@ -128,7 +136,7 @@ class CollectiveWork:
             try:
                 dbo.yield_()
             except BaseException as error:
-                _abandon(self._work, self._tensors)  # aborted: settled before exit
+                _leave_in_flight(self._work, self._tensors)  # aborted
                 self._fail(describe(error))
                 raise
         try:
@@ -160,7 +168,7 @@ class CollectiveWork:
         # process must not end before it does (comm._abandoned).
         try:
             if not self._done and self._error is None:
-                _abandon(self._work, self._tensors)
+                _abandon(self._work, self._tensors)  # no stream to join it into here
         except Exception:  # noqa: BLE001, S110 - at interpreter exit anything may be gone
             pass
 
@@ -180,6 +188,17 @@ def _abandon(work: Any, tensors: Sequence[torch.Tensor]) -> None:
         _abandoned.abandon(work)
 
 
+def _leave_in_flight(work: Any, tensors: Sequence[torch.Tensor]) -> None:
+    """An aborted ubatch leaves `work` unwaited. CUDA: the current stream waits for it
+    (`Work.wait` does not block the host), so the ubatch's streams, joined into the
+    caller's, are ordered after it. gloo: `_abandon`."""
+    if any(tensor.is_cuda for tensor in tensors):
+        with contextlib.suppress(Exception):  # a failed collective is over: nothing to join
+            work.wait()
+    else:
+        _abandon(work, tensors)
+
+
 class _ExitCell:
     """Holds an async handle for the wait at its ubatch's end until the handle's own
     wait empties it. The handle refers to its cell weakly, so that a handle dropped by
@@ -195,6 +214,14 @@ class _ExitCell:
         """At the ubatch's end: wait the handle unless its own wait emptied the cell."""
         if self.handle is not None:
             self.handle.wait(yield_first=False)
+
+    def leave(self) -> None:
+        """At the end of a ubatch that failed: leave the handle in flight, joined into the
+        ubatch's streams on CUDA (`_leave_in_flight`); its waits then raise."""
+        handle = self.handle
+        if handle is not None:
+            _leave_in_flight(handle._work, handle._tensors)
+            handle._fail("its ubatch failed before waiting it")
 
 
 def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any) -> None:
@@ -234,7 +261,7 @@ def _run(
         _blocking(launch, name, tracing.CALLER, group, *args, False)  # the plain blocking op
         return None
     ubatch_id = dbo.current_ubatch_id()
-    ubatch_group = _registry.lookup(group, ubatch_id)
+    ubatch_group = _registry.lookup(group, ubatch_id, dbo.num_ubatches())
     on_cuda = isinstance(stream, _CudaStream)  # CPU: no stream to move to, nothing to protect
     switched = on_cuda and not dbo.on_comm_stream()
     if switched:
@@ -251,12 +278,12 @@ def _run(
             # Waited at the ubatch's end if never waited, so the overlap's end covers it.
             cell = _ExitCell(handle)
             handle._exit_cell = weakref.ref(cell)
-            dbo.at_ubatch_exit(cell)
+            dbo.at_ubatch_exit(cell, on_failure=cell.leave)
             return handle
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
         except BaseException:
-            _abandon(work, tensors)  # aborted: settled before the process ends
+            _leave_in_flight(work, tensors)  # aborted, still on the comm stream
             raise
         _blocking(work.wait, name, ubatch_id)
         return None

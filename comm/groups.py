@@ -14,13 +14,14 @@ pass `decision_group=`, give every rank the same batch size, or use a `dbo.UBatc
 Creating a group is a collective over the world: every rank calls `ubatch_groups` the
 same number of times, in the same order, outside any overlap (`init_distributed` does it
 for the default group). Inside an overlap it only returns existing groups, and the
-collectives never create any: without duplicates they use the base group (correct,
-serialized).
+collectives never create any: without duplicates they use the base group (correct, but
+the ubatches' collectives on it run one after another), and warn once per group.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Hashable
 from datetime import timedelta
@@ -50,14 +51,36 @@ class UBatchGroupRegistry:
         self._created_as_non_member: dict[tuple[tuple[int, ...], str, Hashable], int] = {}
         self.timeout_s: float | None = None
         self._world: weakref.ref[dist.ProcessGroup] | None = None  # of those counts
+        self._checked: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+        """Groups with too few duplicates that `_warn_shared` has seen."""
 
-    def lookup(self, base: dist.ProcessGroup, ubatch_id: int) -> dist.ProcessGroup:
+    def lookup(
+        self, base: dist.ProcessGroup, ubatch_id: int, num_ubatches: int = 0
+    ) -> dist.ProcessGroup:
         """The group ubatch `ubatch_id` uses for `base`: duplicate `ubatch_id % n`, else
-        `base` itself."""
+        `base` itself. With fewer duplicates than `num_ubatches` (0: not checked) the
+        ubatches share a communicator: a RuntimeWarning, once per group."""
         duplicates = self._duplicates.get(base)
+        if num_ubatches > 1 and (not duplicates or len(duplicates) < num_ubatches):
+            self._warn_shared(base, len(duplicates or ()), num_ubatches)
         if not duplicates:
             return base
         return duplicates[ubatch_id % len(duplicates)]
+
+    def _warn_shared(self, base: dist.ProcessGroup, count: int, num_ubatches: int) -> None:
+        if base in self._checked:
+            return
+        self._checked.add(base)
+        if base in self._is_duplicate or base.size() < 2:
+            return  # a duplicate passed on purpose, or no peer to wait for
+        warnings.warn(
+            f"comm: group {base.group_name!r} ({base.size()} ranks) has {count} per-ubatch "
+            f"duplicates for {num_ubatches} ubatches, so their collectives on it run one "
+            "after another (and an NCCL communicator first used inside the overlap can "
+            "deadlock). Create them on every rank, outside any overlap: "
+            f"comm.ubatch_groups(group, {num_ubatches})",
+            RuntimeWarning, stacklevel=5,
+        )
 
     def get_or_create(
         self, base: dist.ProcessGroup, num_ubatches: int

@@ -7,6 +7,7 @@ their registered `UBatchContext.run`, which is how the module-level functions
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -55,6 +56,11 @@ class OverlapRun:
         run's to keep): a run of any runner up this chain would wait for itself."""
         self.baton = Baton(num_ubatches, wakeups)
         self.on_comm = [False] * num_ubatches
+        self._return_to: list[Any] = [None] * num_ubatches
+        """The side stream each ubatch's `switch_to_comm` left (None: its compute stream),
+        which its `switch_to_compute` returns to."""
+        self.stream_lease: object = None
+        """What holds the streams for the runner (a run still running keeps them held)."""
         self.caller_stream: Any = None
         """The stream current in the caller's thread; it joins the ubatch streams at the end."""
         self.fork_event: Any = None
@@ -68,7 +74,11 @@ class OverlapRun:
         """While ubatch k's thread runs a hook: the ubatch that hook belongs to, which
         also owns a stage the hook registers (a two-stage receive)."""
         self._finished = [False] * num_ubatches
-        self._exit_callbacks: list[list[Callable[[], Any]]] = [[] for _ in range(num_ubatches)]
+        self._ended_normally = [False] * num_ubatches
+        self._exit_callbacks: list[list[tuple[Callable[[], Any], Callable[[], Any] | None]]] = [
+            [] for _ in range(num_ubatches)
+        ]
+        """(at a normal end, on failure) pairs; a pair is dropped once either runs."""
         self.first_failure: tuple[int, BaseException] | None = None
         """The ubatch that failed first and its exception (what the caller re-raises)."""
         self.state: dict[str, Any] = {}
@@ -93,18 +103,30 @@ class OverlapRun:
         self.backend.wait_event(streams.comm, self.fork_event)
         self.backend.set_current_stream(streams.compute)
         self.on_comm[ubatch_id] = False
+        self._return_to[ubatch_id] = None
 
     def exit(self, ubatch_id: int, previous_stream: Any) -> None:
-        """After `fn`: record the events the caller's stream joins on; restore the stream."""
+        """After `fn`: after a failure, the failure callbacks (on the comm stream); record
+        the events the caller's stream joins on; restore the stream."""
         streams = self.streams[ubatch_id]
+        if not self._ended_normally[ubatch_id]:
+            self.backend.set_current_stream(streams.comm)
+            callbacks, self._exit_callbacks[ubatch_id] = self._exit_callbacks[ubatch_id], []
+            for _, on_failure in callbacks:
+                if on_failure is not None:
+                    with contextlib.suppress(Exception):  # the ubatch's own error is reported
+                        on_failure()
         self.join_events[ubatch_id] = [
             self.backend.record_event(streams.compute),
             self.backend.record_event(streams.comm),
         ]
         self.backend.set_current_stream(previous_stream)
 
-    def add_exit_callback(self, ubatch_id: int, callback: Callable[[], Any]) -> None:
-        self._exit_callbacks[ubatch_id].append(callback)
+    def add_exit_callback(
+        self, ubatch_id: int, callback: Callable[[], Any],
+        on_failure: Callable[[], Any] | None = None,
+    ) -> None:
+        self._exit_callbacks[ubatch_id].append((callback, on_failure))
 
     def drop_leftovers(self) -> None:
         """After every ubatch has ended: forget the exit callbacks and recv hooks that an
@@ -122,9 +144,10 @@ class OverlapRun:
         callbacks = self._exit_callbacks[ubatch_id]
         while True:
             while callbacks:
-                callbacks.pop(0)()
+                callbacks.pop(0)[0]()
             self.run_remaining_hooks(ubatch_id)
             if not callbacks:
+                self._ended_normally[ubatch_id] = True
                 return
 
     def run_remaining_hooks(self, ubatch_id: int) -> None:
@@ -155,9 +178,12 @@ class OverlapRun:
         return streams.comm if self.on_comm[ubatch_id] else streams.compute
 
     def switch_stream(self, ubatch_id: int, to_comm: bool, yield_first: bool) -> None:
-        """Move `ubatch_id` to its comm (or compute) stream, ordered after the one it
-        leaves by an event recorded *before* any yield: it covers only this ubatch's
-        work (after the yield it would cover the other's kernels and serialize the two).
+        """Move `ubatch_id` to its comm (or compute) stream, ordered after the stream it
+        leaves by an event recorded *before* any yield: it covers only this ubatch's work
+        (after the yield it would cover the other's kernels and serialize the two).
+
+        The stream left is the thread's real current stream: inside `with
+        torch.cuda.stream(side)` it is `side`, and the switch back returns to `side`.
         """
         if self.on_comm[ubatch_id] == to_comm:
             where = "comm" if to_comm else "compute"
@@ -165,15 +191,20 @@ class OverlapRun:
                 f"ubatch {ubatch_id} is already on its {where} stream; each switch_to_comm() "
                 "must be matched by one switch_to_compute()"
             )
-        streams = self.streams[ubatch_id]
-        leaving, entering = (
-            (streams.compute, streams.comm) if to_comm else (streams.comm, streams.compute)
-        )
-        event = self.backend.record_event(leaving)
+        streams, backend = self.streams[ubatch_id], self.backend
+        leaving = backend.current_stream()
+        if to_comm:
+            entering = streams.comm
+            on_compute = backend.stream_key(leaving) == backend.stream_key(streams.compute)
+            self._return_to[ubatch_id] = None if on_compute else leaving
+        else:
+            entering = self._return_to[ubatch_id] or streams.compute
+            self._return_to[ubatch_id] = None
+        event = backend.record_event(leaving)
         if yield_first:
             self.baton.yield_(ubatch_id)
-        self.backend.set_current_stream(entering)
-        self.backend.wait_event(entering, event)
+        backend.set_current_stream(entering)
+        backend.wait_event(entering, event)
         self.on_comm[ubatch_id] = to_comm
 
     def register_recv_hook(self, ubatch_id: int, hook: Callable[[], Any]) -> None:
@@ -186,9 +217,10 @@ class OverlapRun:
     def maybe_run_recv_hook(self, ubatch_id: int, running: int | None = None) -> bool:
         """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran.
 
-        `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook's
-        kernels go to the running thread's current stream; both streams of its owner
-        (parked meanwhile) then wait for an event recorded after the hooks.
+        `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook of
+        another ubatch runs on its owner's comm stream, ordered after the owner's current
+        stream, and the owner's compute stream then waits for it: neither ubatch's queue
+        holds the other's work. A hook of the running ubatch runs on its current stream.
         """
         pending = self._hooks_for[ubatch_id]
         if not pending:
@@ -196,29 +228,34 @@ class OverlapRun:
         self._hooks_for[ubatch_id] = []
         running = ubatch_id if running is None else running
         outer_owner = self._running_hook_owner[running]  # a hook may run hooks
-        for index, (owner, hook) in enumerate(pending):
-            self._running_hook_owner[running] = owner
-            try:
-                hook()
-            except BaseException as error:  # noqa: B036 - re-raised, with where it came from
-                # The ones after it stay queued (`fn` may catch the error and run them);
-                # the owners of the ones before it still read what they received in order.
-                self._hooks_for[ubatch_id][:0] = pending[index + 1 :]
-                self._order_owners_after(pending[:index], running)
-                add_note(error, f"in a recv hook registered by ubatch {owner}")
-                raise
-            finally:
-                self._running_hook_owner[running] = outer_owner
-        self._order_owners_after(pending, running)
+        previous = self.backend.current_stream()
+        try:
+            for index, (owner, hook) in enumerate(pending):
+                self._running_hook_owner[running] = owner
+                foreign = owner != running
+                if foreign:
+                    self._enter_comm_of(owner)
+                try:
+                    hook()
+                except BaseException as error:  # noqa: B036 - re-raised, with where it came from
+                    # The ones after it stay queued (`fn` may catch the error and run them).
+                    self._hooks_for[ubatch_id][:0] = pending[index + 1 :]
+                    add_note(error, f"in a recv hook registered by ubatch {owner}")
+                    raise
+                finally:
+                    self._running_hook_owner[running] = outer_owner
+                    if foreign:
+                        owner_streams = self.streams[owner]
+                        done = self.backend.record_event(owner_streams.comm)
+                        self.backend.wait_event(owner_streams.compute, done)
+        finally:
+            self.backend.set_current_stream(previous)
         return True
 
-    def _order_owners_after(self, ran: list[tuple[int, Callable[[], Any]]], running: int) -> None:
-        """Make both streams of each owner of the hooks in `ran` (other than `running`,
-        whose thread ran them on its current stream) wait for what they enqueued."""
-        owners = sorted({owner for owner, _ in ran if owner != running})
-        if owners:
-            done = self.backend.record_event(self.backend.current_stream())
-            for owner in owners:
-                self.backend.wait_event(self.streams[owner].compute, done)
-                self.backend.wait_event(self.streams[owner].comm, done)
-
+    def _enter_comm_of(self, owner: int) -> None:
+        """Make `owner`'s comm stream current, ordered after `owner`'s compute stream if
+        that is where it is (it is parked: only its own work is there)."""
+        streams = self.streams[owner]
+        if not self.on_comm[owner]:
+            self.backend.wait_event(streams.comm, self.backend.record_event(streams.compute))
+        self.backend.set_current_stream(streams.comm)

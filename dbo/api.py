@@ -75,16 +75,18 @@ def yield_() -> None:
 
 
 def switch_to_comm() -> None:
-    """Make this ubatch's comm stream current, ordered after its compute stream's work
-    by an event (CUDA). No yield. RuntimeError if the ubatch is already on its comm
-    stream. Outside an overlap: no-op."""
+    """Make this ubatch's comm stream current, ordered by an event (CUDA) after the work
+    of the thread's current stream: its compute stream, or a side stream entered with
+    `torch.cuda.stream(side)`. No yield. RuntimeError if the ubatch is already on its
+    comm stream. Outside an overlap: no-op."""
     _switch(to_comm=True, yield_first=False)
 
 
 def switch_to_compute() -> None:
-    """Make this ubatch's compute stream current, ordered after its comm stream's work.
-    RuntimeError if the ubatch is already on its compute stream. Outside an overlap:
-    no-op."""
+    """Return from the comm stream to the stream `switch_to_comm` left (the compute
+    stream, or that side stream), ordered after the comm stream's work. Pair the two
+    inside one `with torch.cuda.stream(...)` block. RuntimeError if the ubatch is already
+    on its compute stream. Outside an overlap: no-op."""
     _switch(to_comm=False, yield_first=False)
 
 
@@ -108,8 +110,8 @@ def yield_and_switch_to_compute() -> None:
 
 
 def current_stream() -> Any:
-    """This ubatch's current stream (a `torch.cuda.Stream`, or a `CpuStream` on CPU);
-    None outside an overlap (use the device's current stream)."""
+    """The ubatch stream this ubatch is on, compute or comm (a `torch.cuda.Stream`, or a
+    `CpuStream` on CPU), not a side stream it entered; None outside an overlap."""
     context = _state.context  # read directly: every collective asks
     if context is None or context.run is None:
         return None
@@ -122,21 +124,28 @@ def on_comm_stream() -> bool:
     return False if run is None else bool(run.on_comm[ubatch_id])
 
 
-def at_ubatch_exit(callback: Callable[[], Any]) -> bool:
+def at_ubatch_exit(
+    callback: Callable[[], Any], *, on_failure: Callable[[], Any] | None = None
+) -> bool:
     """Run `callback` in this ubatch's thread when its function returns normally, before
     the caller's stream joins this ubatch's streams; True if registered.
 
     For library code that leaves work in flight (an async collective's handle): the end
     of the overlap then covers it even if the caller never finishes it. Callbacks run in
-    registration order; an exception in one fails the overlap. Not run when the ubatch
-    raised or was aborted. Outside an overlap: nothing is registered, returns False.
+    registration order; an exception in one fails the overlap. When the ubatch raised or
+    was aborted, `on_failure` (if given) runs instead, in the same place, on the ubatch's
+    comm stream: there library code joins device work left in flight into the ubatch's
+    streams, without blocking; its exceptions are dropped (the failure is reported).
+    Outside an overlap: nothing is registered, returns False.
     """
     if not callable(callback):
         raise TypeError(f"callback must be callable, got {callback!r}")
+    if on_failure is not None and not callable(on_failure):
+        raise TypeError(f"on_failure must be callable or None, got {on_failure!r}")
     run, ubatch_id = _run_and_id()
     if run is None:
         return False
-    run.add_exit_callback(ubatch_id, callback)
+    run.add_exit_callback(ubatch_id, callback, on_failure)
     return True
 
 
@@ -146,8 +155,9 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
     The pattern of low-latency all-to-all kernels that split send and receive: ubatch i
     sends, registers the receive, yields; ubatch i+1 runs it at its next
     `maybe_run_recv_hook()`. A hook still pending when its target finishes runs before
-    the overlap returns; an exception in a hook fails the overlap. Its kernels go to the
-    running thread's current stream, and both of this ubatch's streams wait for them.
+    the overlap returns; an exception in a hook fails the overlap. Its kernels go to this
+    ubatch's comm stream (ordered after this ubatch's work, not the running one's), and
+    this ubatch's compute stream waits for them; a hook must not switch streams.
     Outside an overlap the hook runs at once (dropping it would lose the receive).
     """
     if not callable(hook):

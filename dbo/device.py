@@ -10,7 +10,11 @@ protocol bug, and the CPU backend raises on it).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
+import weakref
+from collections.abc import Collection
 from typing import Any, Protocol
 
 import torch
@@ -23,7 +27,10 @@ class DeviceBackend(Protocol):
     device: torch.device
 
     def new_stream(self, name: str) -> Any:
-        """A new stream on this device."""
+        """A stream on this device for a runner to hold until `release_stream`."""
+
+    def release_stream(self, stream: Any) -> None:
+        """`stream` (from `new_stream`) is no longer used: it may be handed out again."""
 
     def stream_key(self, stream: Any) -> Any:
         """What identifies the device queue behind `stream` (equal keys: one queue)."""
@@ -94,6 +101,9 @@ class CpuBackend:
     def new_stream(self, name: str) -> CpuStream:
         return CpuStream(name)
 
+    def release_stream(self, stream: CpuStream) -> None:
+        """Nothing to do: a placeholder costs nothing."""
+
     def stream_key(self, stream: CpuStream) -> int:
         return id(stream)
 
@@ -121,7 +131,8 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """`torch.cuda` streams and events on one device."""
+    """`torch.cuda` streams and events on one device; its streams are dbo's own
+    (`_OwnStreams`), never one of torch's pool."""
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -130,12 +141,15 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
 
     def new_stream(self, name: str) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)
+        if torch.version.hip:  # no driver API here: torch's pool (the runner checks aliasing)
+            return torch.cuda.Stream(device=self.device)
+        return _own_streams.take(self.device)
+
+    def release_stream(self, stream: torch.cuda.Stream) -> None:
+        _own_streams.give_back(stream)
 
     def stream_key(self, stream: torch.cuda.Stream) -> int:
-        # torch.cuda.Stream() hands out streams round-robin from a small per-device pool:
-        # two Stream objects can be one CUDA stream.
-        return int(stream.cuda_stream)
+        return int(stream.cuda_stream)  # two Stream objects can be one CUDA stream
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -170,6 +184,143 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+class _OwnStreams:
+    """The CUDA streams dbo creates, per device, and those no runner holds now.
+
+    `torch.cuda.Stream()` hands out the 32 streams of a per-device pool round-robin, and
+    ProcessGroupNCCL (one internal stream per communicator) and CUDA-graph capture draw
+    from the same pool: its Stream objects alias each other. These streams come from the
+    driver instead (`cuStreamCreate`, non-blocking like the pool's, in the primary
+    context torch uses), wrapped as `torch.cuda.ExternalStream`s, so nothing else ever
+    gets one. They are never destroyed (the caching allocator records events on the
+    streams its live blocks were used on), only handed back and reused.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[torch.device, list[torch.cuda.Stream]] = {}
+        self._made: set[int] = set()
+
+    def take(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            free = self._free.get(device)
+            if free:
+                return free.pop()
+        stream = torch.cuda.ExternalStream(_create_cuda_stream(device.index), device=device)
+        with self._lock:
+            self._made.add(int(stream.cuda_stream))
+        return stream
+
+    def give_back(self, stream: torch.cuda.Stream) -> None:
+        with self._lock:
+            if int(stream.cuda_stream) in self._made:  # not a pool stream (HIP)
+                self._free.setdefault(stream.device, []).append(stream)
+
+
+_own_streams = _OwnStreams()
+_CU_STREAM_NON_BLOCKING = 0x1
+
+
+def _create_cuda_stream(index: int) -> int:
+    """A new non-blocking stream (its handle) in device `index`'s primary context."""
+    torch.cuda.init()
+    driver = ctypes.CDLL("libcuda.so.1")  # loaded already: the CUDA runtime uses it
+
+    def check(result: int, call: str) -> None:
+        if result != 0:
+            name = ctypes.c_char_p()
+            driver.cuGetErrorName(result, ctypes.byref(name))
+            reason = name.value.decode() if name.value else f"error {result}"
+            raise RuntimeError(f"{call} failed on cuda:{index}: {reason}")
+
+    device, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    check(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuCtxRetain")
+    try:
+        check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            check(driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
+                  "cuStreamCreate")
+        finally:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        driver.cuDevicePrimaryCtxRelease_v2(device)
+    assert stream.value, "cuStreamCreate succeeded, so it wrote a handle"
+    return stream.value
+
+
+_MAX_STREAM_DRAWS = 128
+"""New streams drawn, at most, looking for distinct ones (from a backend whose pool aliases)."""
+
+
+def distinct_streams(backend: DeviceBackend, count: int, taken: Collection[Any] = ()) -> list[Any]:
+    """`count` new streams that are distinct queues, none of them the caller's current
+    stream nor one whose key is in `taken`; RuntimeError when the device cannot give that
+    many (a shared queue would serialize two ubatches)."""
+    refused = {*taken, backend.stream_key(backend.current_stream())}
+    streams: list[Any] = []
+    drawn: list[Any] = []
+    while len(streams) < count and len(drawn) < _MAX_STREAM_DRAWS:
+        role = "compute" if len(streams) % 2 == 0 else "comm"
+        drawn.append(backend.new_stream(f"{role}{len(streams) // 2}"))
+        key = backend.stream_key(drawn[-1])
+        if key not in refused:
+            refused.add(key)
+            streams.append(drawn[-1])
+    kept = {id(stream) for stream in streams} if len(streams) == count else set()
+    for stream in drawn:
+        if id(stream) not in kept:
+            backend.release_stream(stream)
+    if len(streams) < count:
+        raise RuntimeError(
+            f"could not get {count} distinct streams on {backend.device} (got "
+            f"{len(streams)} in {len(drawn)} draws, {len(taken)} held by live runners): "
+            "use fewer ubatches, or fewer live runners (close the UBatchRunners you no "
+            "longer use)"
+        )
+    return streams
+
+
+class StreamLease:
+    """One runner's streams on one device, none of them another live runner's; they go
+    back at `release()` or once nothing refers to the lease (a run still running on
+    them keeps it: a ubatch the watchdog gave up on)."""
+
+    def __init__(self, streams: list[Any], give_back: Any) -> None:
+        self.streams = streams
+        self.release = weakref.finalize(self, give_back)
+        self.release.atexit = False
+
+
+class _HeldStreams:
+    """The stream keys that live runners hold, per device, in this process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[torch.device, set[Any]] = {}
+
+    def lease(self, backend: DeviceBackend, count: int) -> StreamLease:
+        with self._lock:
+            held = self._keys.setdefault(backend.device, set())
+            streams = distinct_streams(backend, count, held)
+            keys = [backend.stream_key(stream) for stream in streams]
+            held.update(keys)
+        return StreamLease(streams, functools.partial(self._give_back, backend, streams, keys))
+
+    def _give_back(self, backend: DeviceBackend, streams: list[Any], keys: list[Any]) -> None:
+        with self._lock:
+            self._keys.get(backend.device, set()).difference_update(keys)
+        for stream in streams:
+            backend.release_stream(stream)
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._keys.clear()
+
+
+held_streams = _HeldStreams()
 
 
 def backend_for(device: torch.device | str | int | None) -> DeviceBackend:

@@ -24,7 +24,8 @@ from dbo._checks import check_num_ubatches, lock_timeout
 from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
-from dbo.device import DeviceBackend, backend_for
+from dbo.device import DeviceBackend, StreamLease, backend_for, held_streams
+from dbo.device import distinct_streams as _distinct_streams  # noqa: F401 - tests
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
 _Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
@@ -78,6 +79,7 @@ def reset_after_fork() -> None:
     global _left_running_lock
     _left_running_lock = threading.Lock()
     _left_running.clear()
+    held_streams.reset_after_fork()
 
 
 def is_ubatch_input(item: Any) -> bool:
@@ -156,7 +158,9 @@ class UBatchRunner:
         self._run: OverlapRun | None = None
         """The run in progress (RUNNING), or the aborted run still running (BROKEN)."""
         self._jobs: list[UBatchJob] = []
-        self._streams: dict[torch.device, tuple[DeviceBackend, list[UBatchStreams]]] = {}
+        self._streams: dict[
+            torch.device, tuple[DeviceBackend, list[UBatchStreams], StreamLease]
+        ] = {}
         self._workers = [
             Worker(f"dbo-ubatch-{i}-of-{self.num_ubatches}", self.cpus)
             for i in range(self.num_ubatches)
@@ -233,8 +237,14 @@ class UBatchRunner:
             return  # the run stops the workers when it ends (`_end`)
         stop_workers(self._workers, self._pid)
         if previous is RunnerState.IDLE:
+            self._release_streams()
             for worker in self._workers:
                 worker.thread.join(lock_timeout(timeout_s))
+
+    def _release_streams(self) -> None:
+        """Give the streams back: no run of this closed runner runs on them any more."""
+        for _, _, lease in self._streams.values():
+            lease.release()
 
     def _refuse_own_ubatch_thread(self, what: str) -> None:
         context = current_context()
@@ -325,34 +335,39 @@ class UBatchRunner:
         return inputs
 
     def _new_run(self, inputs: _Inputs, device: torch.device | None) -> OverlapRun:
-        backend, streams = self._backend_and_streams(inputs, device)
+        backend, streams, lease = self._backend_and_streams(inputs, device)
         context = current_context()
         run = OverlapRun(
             self.num_ubatches, backend, streams, owner=self,
             wakeups=[worker.wake for worker in self._workers],
             parent=context.run if context is not None else None,
         )
+        run.stream_lease = lease
         run.caller_stream = backend.current_stream()
         run.fork_event = backend.record_event(run.caller_stream)
         return run
 
     def _backend_and_streams(
         self, inputs: _Inputs, device: torch.device | None
-    ) -> tuple[DeviceBackend, list[UBatchStreams]]:
+    ) -> tuple[DeviceBackend, list[UBatchStreams], StreamLease]:
         if self.device is not None:
             device = self.device
         elif device is None:
             device = _first_tensor_device(inputs)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            bare = device.index is None
+            if bare:
+                device = torch.device("cuda", torch.cuda.current_device())
+            _check_input_devices(inputs, device, bare)
         cached = self._streams.get(device)
         if cached is None:
             backend = backend_for(device)
-            drawn = _distinct_streams(backend, 2 * self.num_ubatches)
+            lease = held_streams.lease(backend, 2 * self.num_ubatches)
+            drawn = lease.streams
             streams = [
                 UBatchStreams(drawn[2 * i], drawn[2 * i + 1]) for i in range(self.num_ubatches)
             ]
-            cached = self._streams[device] = (backend, streams)
+            cached = self._streams[device] = (backend, streams, lease)
         return cached
 
     def _begin(self, run: OverlapRun, jobs: list[UBatchJob]) -> None:
@@ -384,6 +399,8 @@ class UBatchRunner:
             closed = self._state is RunnerState.CLOSED
         if closed:
             stop_workers(self._workers, self._pid)
+            if run.baton.wait_done(0):
+                self._release_streams()
 
     def _start_and_wait(
         self, run: OverlapRun, jobs: list[UBatchJob], timeout_s: float | None
@@ -416,7 +433,8 @@ class UBatchRunner:
             run.drop_leftovers()
             self._join_streams(run)
             return
-        wait_at_exit(lambda s: not run.baton.wait_done(s))
+        baton = run.baton  # not the run: it holds the streams until it is freed
+        wait_at_exit(lambda s: not baton.wait_done(s))
         # Best effort: the caller's stream waits for what the ubatches enqueued so far,
         # so that it does not reuse the inputs under their kernels.
         for ubatch_streams in run.streams:
@@ -485,38 +503,24 @@ class UBatchRunner:
         return "".join(traceback.format_stack(frame))
 
 
-_MAX_STREAM_DRAWS = 128
-"""New streams drawn, at most, looking for distinct ones (CUDA's pool holds 32)."""
-
-
-def _distinct_streams(backend: DeviceBackend, count: int) -> list[Any]:
-    """`count` streams that are distinct device queues, none of them the caller's
-    current stream (a shared queue would serialize two ubatches); RuntimeError when
-    the device cannot give that many."""
-    taken = {backend.stream_key(backend.current_stream())}
-    streams: list[Any] = []
-    for _ in range(_MAX_STREAM_DRAWS):
-        if len(streams) == count:
-            break
-        role = "compute" if len(streams) % 2 == 0 else "comm"
-        stream = backend.new_stream(f"{role}{len(streams) // 2}")
-        key = backend.stream_key(stream)
-        if key not in taken:
-            taken.add(key)
-            streams.append(stream)
-    if len(streams) < count:
-        raise RuntimeError(
-            f"could not get {count} distinct streams on {backend.device} (got "
-            f"{len(streams)} in {_MAX_STREAM_DRAWS} draws); use fewer ubatches"
-        )
-    return streams
-
-
 def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:
     """The error that caused the failure: the first that is not an abort, else the first."""
     failures = [(ubatch_id, error) for ubatch_id, error in enumerate(errors) if error is not None]
     own = [failure for failure in failures if not isinstance(failure[1], UBatchAbortedError)]
     return (own or failures)[0] if failures else None
+
+
+def _check_input_devices(inputs: _Inputs, device: torch.device, bare: bool) -> None:
+    """ValueError for a CUDA input on another device than the streams: its kernels would
+    run on that device's current stream, unordered with the ubatch streams."""
+    for leaf in tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
+            named = " ('cuda' names the calling thread's current device)" if bare else ""
+            raise ValueError(
+                f"a ubatch input is on {leaf.device} but the ubatch streams are on "
+                f"{device}{named}; pass device='{leaf.device}', or call "
+                f"torch.cuda.set_device({leaf.device.index}) in this thread"
+            )
 
 
 def _first_tensor_device(inputs: _Inputs) -> torch.device:

@@ -1,0 +1,377 @@
+"""Stream ordering on the CPU backend, with fake backends that record what the runtime asks:
+side streams, recv hooks on their owner's comm stream, streams distinct across live
+runners, the inputs' device, subgroups without duplicates, and collectives an aborted
+ubatch left in flight."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import comm
+import dbo
+from comm import collectives
+from dbo import runner as runner_module
+from dbo._context import current_context
+from dbo.device import CpuBackend, CpuEvent, CpuStream
+from dbo.runner import RunnerState
+
+
+class Recording(CpuBackend):
+    """A CPU backend that logs each event recorded, each wait and each stream made current."""
+
+    def __init__(self, log: list[tuple[str, ...]]) -> None:
+        super().__init__()
+        self.log = log
+
+    def record_event(self, stream: CpuStream) -> CpuEvent:
+        self.log.append(("record", stream.name))
+        return super().record_event(stream)
+
+    def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+        self.log.append(("wait", stream.name, event.stream.name))
+        super().wait_event(stream, event)
+
+    def set_current_stream(self, stream: CpuStream) -> None:
+        self.log.append(("current", stream.name))
+        super().set_current_stream(stream)
+
+
+@pytest.fixture
+def log(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, ...]]]:
+    """What the backend of each runner made from now on (`dbo.overlap`'s pooled runners
+    too: they are closed before and after) was asked."""
+    entries: list[tuple[str, ...]] = []
+    monkeypatch.setattr(runner_module, "backend_for", lambda device: Recording(entries))
+    dbo.close_default_runners()
+    yield entries
+    dbo.close_default_runners()
+
+
+def _backend() -> Any:
+    context = current_context()
+    assert context is not None and context.run is not None, "called inside a ubatch"
+    return context.run.backend
+
+
+# ------------------------------------------------------------------------- side streams
+
+
+@pytest.mark.parametrize("yielding", [False, True])
+def test_a_switch_from_a_side_stream_is_ordered_after_it_and_returns_to_it(
+    log: list[tuple[str, ...]], yielding: bool
+) -> None:
+    """Inside `with torch.cuda.stream(side):` the work so far ran on `side`: the comm
+    stream waits for `side`, and the switch back returns to `side`, so the rest of the
+    block stays on it."""
+    seen: dict[int, list[str]] = {0: [], 1: []}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me, backend = dbo.current_ubatch_id(), _backend()
+        backend.set_current_stream(CpuStream(f"side{me}"))  # as torch.cuda.stream(side)
+        (dbo.yield_and_switch_to_comm if yielding else dbo.switch_to_comm)()
+        seen[me].append(backend.current_stream().name)
+        (dbo.yield_and_switch_to_compute if yielding else dbo.switch_to_compute)()
+        seen[me].append(backend.current_stream().name)
+        return x
+
+    dbo.overlap(fn)(torch.zeros(2))
+    assert seen == {0: ["comm0", "side0"], 1: ["comm1", "side1"]}
+    for me in (0, 1):
+        assert ("wait", f"comm{me}", f"side{me}") in log
+        assert ("wait", f"side{me}", f"comm{me}") in log
+        assert ("wait", f"comm{me}", f"compute{me}") not in log
+
+
+# --------------------------------------------------------------------------- recv hooks
+
+
+def test_a_recv_hook_runs_on_its_owners_comm_stream_and_orders_no_other_ubatch(
+    log: list[tuple[str, ...]],
+) -> None:
+    """Ubatch 0's receive runs in ubatch 1's thread on ubatch 0's comm stream: no stream
+    of one ubatch ever waits for the other's (that would serialize the two)."""
+    seen: list[str] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        backend = _backend()
+        if dbo.current_ubatch_id() == 0:
+            dbo.register_recv_hook(lambda: seen.append(backend.current_stream().name))
+        dbo.yield_()
+        dbo.maybe_run_recv_hook()
+        seen.append(f"after:{backend.current_stream().name}")
+        dbo.yield_()
+        return x
+
+    dbo.overlap(fn)(torch.zeros(2))
+    assert seen == ["after:compute0", "comm0", "after:compute1"]
+    waits = [entry[1:] for entry in log if entry[0] == "wait"]
+    assert ("comm0", "compute0") in waits and ("compute0", "comm0") in waits
+    crossing = [(a, b) for a, b in waits if "default" not in (a, b) and a[-1] != b[-1]]
+    assert crossing == []
+
+
+# ------------------------------------------------------------ streams across runners
+
+
+def _round_robin_pool(size: int) -> type[CpuBackend]:
+    """A backend class whose streams come round-robin from one pool of `size` queues
+    shared by all its instances, as torch's per-device pool is."""
+    queues = [CpuStream(f"q{i}") for i in range(size)]
+    drawn = itertools.count()
+
+    class RoundRobinPool(CpuBackend):
+        def new_stream(self, name: str) -> CpuStream:
+            return queues[next(drawn) % size]
+
+        def stream_key(self, stream: CpuStream) -> str:  # type: ignore[override]
+            return stream.name
+
+    return RoundRobinPool
+
+
+def _streams_of(runner: dbo.UBatchRunner) -> set[str]:
+    seen: set[str] = set()
+
+    def fn() -> None:
+        seen.add(dbo.current_stream().name)
+        dbo.switch_to_comm()
+        seen.add(dbo.current_stream().name)
+        dbo.switch_to_compute()
+
+    runner.run(fn, [((), {})] * runner.num_ubatches)
+    return seen
+
+
+def test_live_runners_never_share_a_stream_from_an_aliasing_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runner_module, "backend_for", lambda device: _round_robin_pool(8)())
+    first, second, third = (dbo.UBatchRunner(2) for _ in range(3))
+    try:
+        streams = [_streams_of(first), _streams_of(second)]
+        assert len(streams[0] | streams[1]) == 8
+        with pytest.raises(RuntimeError, match="8 held by live runners.*fewer live runners"):
+            _streams_of(third)
+        assert third.state is RunnerState.IDLE
+        first.close()  # its queues go back
+        assert _streams_of(third) == streams[0]
+    finally:
+        for runner in (first, second, third):
+            runner.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_runner_broken_by_the_watchdog_keeps_its_streams_until_its_ubatch_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runner_module, "backend_for", lambda device: _round_robin_pool(8)())
+    release = threading.Event()
+
+    def stuck(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            release.wait(timeout=20)
+        return x
+
+    broken = dbo.UBatchRunner(2)
+    replacement, later = dbo.UBatchRunner(2), dbo.UBatchRunner(2)
+    try:
+        threads = broken.threads
+        with pytest.raises(dbo.OverlapTimeoutError):
+            broken.run(stuck, [((torch.zeros(1),), {})] * 2, timeout_s=0.3)
+        broken.close(timeout_s=0)
+        del broken  # the stuck run still holds its streams
+        gc.collect()
+        assert len(_streams_of(replacement)) == 4
+        with pytest.raises(RuntimeError, match="distinct streams"):
+            _streams_of(later)
+        release.set()
+        for thread in threads:
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+        gc.collect()
+        assert len(_streams_of(later)) == 4
+    finally:
+        release.set()
+        replacement.close()
+        later.close()
+
+
+# ------------------------------------------------------------------- the inputs' device
+
+
+def _fake_cuda_tensor(index: int) -> torch.Tensor:
+    with FakeTensorMode():
+        return torch.empty(2, device=f"cuda:{index}")
+
+
+def test_a_cuda_input_on_another_device_than_the_streams_is_refused() -> None:
+    x = _fake_cuda_tensor(1)
+    with dbo.UBatchRunner(2, device="cuda:0") as runner:
+        with pytest.raises(ValueError, match=(
+            r"a ubatch input is on cuda:1 but the ubatch streams are on cuda:0; pass "
+            r"device='cuda:1', or call torch.cuda.set_device\(1\) in this thread"
+        )):
+            runner.run(lambda t: t, [((x,), {}), ((x,), {})])
+        assert runner.state is RunnerState.IDLE
+
+
+def test_a_bare_cuda_device_names_the_calling_threads_device_in_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a thread never set
+    x = _fake_cuda_tensor(3)
+    with (
+        dbo.UBatchRunner(2, device="cuda") as runner,
+        pytest.raises(ValueError, match=r"on cuda:0 \('cuda' names the calling thread"),
+    ):
+        runner.run(lambda t: t, [((x,), {}), ((x,), {})])
+
+
+# ------------------------------------------------------------ groups without duplicates
+
+
+class _Group:
+    """Enough of a process group for `comm.collectives._run`."""
+
+    def __init__(self, size: int) -> None:
+        self.group_name, self._size = f"fake{size}", size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _Work:
+    """A collective's handle that records how often it was waited."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self, *args: Any) -> bool:
+        self.waits += 1
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _launch_into(works: list[_Work]) -> Any:
+    def launch(group: Any, tensor: torch.Tensor, async_op: bool) -> _Work:
+        works.append(_Work())
+        return works[-1]
+
+    return launch
+
+
+def test_a_group_without_duplicates_warns_once_naming_the_fix() -> None:
+    group, works = _Group(2), []
+    x = torch.zeros(2)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            collectives._run("all_reduce", _launch_into(works), (t,), (t,), group, False)
+        return t
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dbo.overlap(fn)(x)
+        dbo.overlap(fn)(x)
+    shared = [w for w in caught if "per-ubatch duplicates" in str(w.message)]
+    assert len(shared) == 1 and len(works) == 8
+    assert "comm.ubatch_groups(group, 2)" in str(shared[0].message)
+    assert shared[0].category is RuntimeWarning
+
+
+def test_a_group_of_one_rank_does_not_warn(world_of_one: None) -> None:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce(t)
+        return t
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dbo.overlap(fn)(torch.ones(4))
+    assert not [w for w in caught if "per-ubatch duplicates" in str(w.message)]
+
+
+# ------------------------------------------------------------- collectives left in flight
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_cuda_collective_an_aborted_ubatch_never_waited_is_joined_into_its_streams(
+    async_op: bool,
+) -> None:
+    """Ubatch 0 launches a collective, ubatch 1 fails meanwhile: ubatch 0's stream waits
+    for the collective (`Work.wait`, no host wait) before the caller's stream joins
+    ubatch 0's, so the caller never reuses buffers it still uses."""
+    works: list[_Work] = []
+    x = _fake_cuda_tensor(0)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            raise ValueError("ubatch 1 fails")
+        collectives._run("all_reduce", _launch_into(works), (x,), (x,), _Group(1), async_op)
+        dbo.yield_()
+        return t
+
+    with pytest.raises(ValueError, match="ubatch 1 fails"):
+        dbo.overlap(fn)(torch.zeros(2))
+    assert [work.waits for work in works] == [1]
+
+
+def test_a_host_collective_an_aborted_ubatch_never_waited_is_left_to_settle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    works: list[_Work] = []
+    abandoned: list[Any] = []
+    monkeypatch.setattr(collectives._abandoned, "abandon", abandoned.append)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            raise ValueError("ubatch 1 fails")
+        collectives._run("all_reduce", _launch_into(works), (t,), (t,), _Group(1), True)
+        dbo.yield_()
+        return t
+
+    with pytest.raises(ValueError, match="ubatch 1 fails"):
+        dbo.overlap(fn)(torch.zeros(2))
+    assert abandoned == works and works[0].waits == 0
+
+
+def test_on_failure_runs_instead_of_the_exit_callback_on_the_comm_stream_before_the_join(
+    log: list[tuple[str, ...]],
+) -> None:
+    failing = {1}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        me, backend = dbo.current_ubatch_id(), _backend()
+        dbo.at_ubatch_exit(
+            lambda: log.append(("normal", str(me))),
+            on_failure=lambda: log.append(("failed", str(me), backend.current_stream().name)),
+        )
+        if me in failing:
+            raise ValueError("ubatch 1 fails")
+        dbo.yield_()
+        return x
+
+    with pytest.raises(ValueError):
+        dbo.overlap(fn)(torch.zeros(2))
+    for me in ("0", "1"):
+        failed = log.index(("failed", me, f"comm{me}"))
+        assert log[failed + 1 : failed + 3] == [("record", f"compute{me}"), ("record", f"comm{me}")]
+    assert not [entry for entry in log if entry[0] == "normal"]
+    log.clear()
+    failing.clear()
+    dbo.overlap(fn)(torch.zeros(2))
+    assert [entry for entry in log if entry[0] in ("normal", "failed")] == [
+        ("normal", "0"), ("normal", "1"),
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match="on_failure must be callable or None"):
+        dbo.at_ubatch_exit(print, on_failure=3)  # type: ignore[arg-type]
