@@ -34,6 +34,7 @@ import torch.distributed as dist
 import dbo
 from comm._checks import require_same_device, require_tensor, resolve_group
 from comm.collectives import CollectiveWork, all_reduce, all_to_all_single
+from dbo.graphs import refuse_under_capture
 
 __all__ = [
     "DispatchHandle", "FixedDispatchHandle", "combine", "combine_fixed", "dispatch",
@@ -91,6 +92,7 @@ def dispatch(
     expert id outside `[0, num_experts)` on any rank raises ValueError on every rank
     after the counts exchange. Under CUDA-graph capture use `dispatch_fixed`.
     """
+    refuse_under_capture("comm.moe.dispatch")
     base = resolve_group(group)
     world_size = base.size()
     x, topk_ids, num_experts = check_dispatch(x, topk_ids, num_experts, world_size)

@@ -137,3 +137,15 @@ def test_num_experts_must_divide_over_the_ranks() -> None:
     with pytest.raises(ValueError, match="num_experts=6 must be divisible by the group size 4"):
         _check_num_experts(6, 4)
     assert _check_num_experts(8, 4) == 8
+
+
+def test_dispatch_refuses_a_cuda_graph_capture_and_names_the_fixed_shape_path(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launched: list[Any] = []
+    monkeypatch.setattr(_launch, "all_to_all_single", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="comm.moe.dispatch cannot be captured.*dispatch_fixed"):
+        comm.moe.dispatch(torch.randn(2, 3), torch.zeros(2, 1, dtype=torch.int64), 2)
+    assert launched == []
