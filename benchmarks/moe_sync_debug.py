@@ -10,7 +10,8 @@ thread: the model's, dbo's or comm's. Two warm-up steps run before, in the defau
 (they connect the communicators and grow the workspace); the outputs are then checked
 bitwise equal to the same ubatches run one after the other. torch does not cover
 synchronizing calls inside torch.distributed (its docs say so). Exit status 1 on a sync
-(the JSON line holds the error) or a mismatch. On CPU (gloo) the same steps run without
+(the JSON line holds the error and its innermost frames, stderr the traceback) or a
+mismatch. On CPU (gloo) the same steps run without
 the sync check: a smoke test of the script.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import json
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 
 import torch
@@ -93,8 +95,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             with syncs_raise(device):
                 for _ in range(args.steps):
                     got = overlapped(x)
-        except RuntimeError as error:  # torch's message names the synchronizing call
-            result["sync_error"] = f"{type(error).__name__}: {error}"
+        except RuntimeError as error:  # the traceback shows where the call was made
+            traceback.print_exc()
+            frames = traceback.extract_tb(error.__traceback__)[-3:]
+            where = "; ".join(f"{frame.filename}:{frame.lineno} {frame.name}" for frame in frames)
+            result["sync_error"] = f"{type(error).__name__}: {error} (at {where})"
         result["bitwise_equal"] = result["sync_error"] is None and torch.equal(got, expected)
         if device.type == "cuda":
             result["cuda_alloc_retries"] = torch.cuda.memory_stats(device)["num_alloc_retries"]
