@@ -300,24 +300,27 @@ class _HeldStreams:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._keys: dict[torch.device, set[Any]] = {}
+        self._returned: list[tuple[DeviceBackend, list[Any]]] = []
+        """Released, not yet taken off `_keys`: a release may come from the garbage
+        collector inside `lease` (under the lock), so it only appends (atomic)."""
 
     def lease(self, backend: DeviceBackend, count: int) -> StreamLease:
         with self._lock:
+            while self._returned:
+                returned_by, streams = self._returned.pop()
+                held = self._keys.setdefault(returned_by.device, set())
+                held.difference_update(returned_by.stream_key(stream) for stream in streams)
+                for stream in streams:
+                    returned_by.release_stream(stream)
             held = self._keys.setdefault(backend.device, set())
             streams = distinct_streams(backend, count, held)
-            keys = [backend.stream_key(stream) for stream in streams]
-            held.update(keys)
-        return StreamLease(streams, functools.partial(self._give_back, backend, streams, keys))
-
-    def _give_back(self, backend: DeviceBackend, streams: list[Any], keys: list[Any]) -> None:
-        with self._lock:
-            self._keys.get(backend.device, set()).difference_update(keys)
-        for stream in streams:
-            backend.release_stream(stream)
+            held.update(backend.stream_key(stream) for stream in streams)
+        return StreamLease(streams, functools.partial(self._returned.append, (backend, streams)))
 
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._keys.clear()
+        self._returned.clear()
 
 
 held_streams = _HeldStreams()

@@ -278,7 +278,10 @@ class UBatchRunner:
         """Run `fn(*args_i, **kwargs_i)` in ubatch thread i; return the outputs in order.
 
         `device` picks the ubatch streams for this run when the runner has none of its
-        own; by default, the device of the first CUDA tensor in the inputs (else CPU).
+        own; by default, the device of the first CUDA tensor in the inputs (else CPU). A
+        bare "cuda" is the calling thread's current device; a CUDA input on another
+        device than the streams raises ValueError. The streams are the runner's, none of
+        them another live runner's (RuntimeError when the device cannot give that many).
 
         Threading: ubatch 0 starts; a ubatch passes the baton to the next live ubatch only
         at a yield point or when `fn` returns or raises. Each ubatch thread runs with the

@@ -4,7 +4,9 @@ Exercises what only NCCL does: per-ubatch duplicate communicators (created and c
 outside the overlap), collectives launched on the comm stream and waited on the device,
 `record_stream` of their tensors, and MoE dispatch/combine, each compared bitwise with
 the same calls made serially on the same ubatch split; then a backward through an
-overlapped MoE layer (its order-token chain) against the serial gradients.
+overlapped MoE layer (its order-token chain) against the serial gradients; a collective
+made on a side stream; a collective an aborted ubatch never waited. Producers run late
+(`torch.cuda._sleep` first) and outputs start as NaN: a missing wait reads wrong data.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ import torch
 import comm
 import dbo
 
+_LATE = 20_000_000  # cycles a late producer spins first: milliseconds on any GPU
+
 
 def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # Outputs start as NaN, not as whatever memory empty_like reuses: a result read
     # before its collective wrote it (a missing stream wait) cannot then pass for right.
+    if x.is_cuda:
+        torch.cuda._sleep(_LATE)  # the producers below are late
     reduced = x.clone()
     comm.all_reduce(reduced)
     moved = torch.full_like(x, float("nan"))
@@ -64,6 +70,55 @@ def backward_matches_serial(device: torch.device) -> bool:
     )
 
 
+def side_stream_collective_matches(device: torch.device) -> bool:
+    """A collective inside `with torch.cuda.stream(side)` reads what `side` produced, and
+    the rest of the block stays on `side`."""
+    stayed: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream())
+        produced = torch.full_like(x, float("nan"))
+        out = torch.full_like(x, float("nan"))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(_LATE)
+            produced.copy_(x * 3)
+            comm.all_to_all_single(out, produced)
+            stayed.append(torch.cuda.current_stream() == side)
+            out.add_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    x = torch.randn(4096, 64, device=device)
+    y = dbo.overlap(fn, timeout_s=60)(x)
+    torch.cuda.synchronize()
+    return stayed == [True, True] and torch.equal(y, x * 3 + 1)
+
+
+def aborted_collective_is_joined(device: torch.device) -> bool:
+    """Ubatch 1 fails while ubatch 0's all-to-all is in flight: the caller's stream, right
+    after the error, reads the whole transfer (it waits for NCCL's work)."""
+    source = torch.arange(1 << 26, dtype=torch.float32, device=device)  # 256 MB
+    out = torch.full_like(source, float("nan"))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 1:
+            raise ValueError("ubatch 1 fails")
+        torch.cuda._sleep(_LATE)  # the transfer starts late, as the caller's read would
+        comm.all_to_all_single(out, source)  # yields while in flight: ubatch 1 fails
+        return x
+
+    try:
+        dbo.overlap(fn, timeout_s=60)(torch.zeros(2, device=device))
+    except ValueError:
+        pass
+    else:
+        return False
+    seen = out.clone()  # on the caller's stream
+    torch.cuda.synchronize()
+    return torch.equal(seen, source)
+
+
 def main() -> int:
     rank, world_size, device = comm.init_distributed(backend="nccl")
     assert device.type == "cuda" and world_size == 1, (device, world_size)
@@ -80,6 +135,12 @@ def main() -> int:
                 return 1
     if not backward_matches_serial(device):
         print("MoE backward through an overlap: gradients differ from serial")
+        return 1
+    if not side_stream_collective_matches(device):
+        print("a collective on a side stream: wrong data, or the block left its stream")
+        return 1
+    if not aborted_collective_is_joined(device):
+        print("a collective an aborted ubatch left in flight: the caller read it unfinished")
         return 1
     comm.destroy_distributed()
     print("nccl world: all checks passed")

@@ -39,6 +39,8 @@ def test_cuda_overlap_is_bitwise_equal_to_serial(num_ubatches: int) -> None:
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         for _ in range(4):
+            if dbo.enabled():
+                torch.cuda._sleep(5_000_000)  # a late producer: a missing wait reads garbage
             x = torch.tanh(x @ weight)
             dbo.yield_and_switch_to_comm()
             x = x + 1
