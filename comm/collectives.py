@@ -16,12 +16,10 @@ is launched (TypeError / ValueError naming the values); a refused call launches 
 and its peers wait until the group's timeout. Split sizes agreeing between ranks cannot
 be checked locally; `comm.moe.dispatch` exchanges counts so that they always do.
 
-Streams: a call made on a side stream (`with torch.cuda.stream(side):` inside a ubatch)
-is ordered after `side`'s work and `side` after it, as torch.distributed orders the
-current stream, and the rest of the block stays on `side`. A collective an aborted
-ubatch never waited is joined into its streams on CUDA (the caller's stream then waits
-for it: it must not reuse buffers NCCL still uses); a gloo one is left to
-`comm._abandoned`.
+A call on a side stream (`with torch.cuda.stream(side):`) follows `side`'s work and
+`side` follows it, as in torch.distributed. A collective an aborted ubatch never waited
+is joined into its streams on CUDA (the caller's stream waits for it); gloo's are left
+to `comm._abandoned`.
 """
 
 from __future__ import annotations
@@ -190,8 +188,7 @@ def _abandon(work: Any, tensors: Sequence[torch.Tensor]) -> None:
 
 def _leave_in_flight(work: Any, tensors: Sequence[torch.Tensor]) -> None:
     """An aborted ubatch leaves `work` unwaited. CUDA: the current stream waits for it
-    (`Work.wait` does not block the host), so the ubatch's streams, joined into the
-    caller's, are ordered after it. gloo: `_abandon`."""
+    (`Work.wait`, no host wait), and so the caller's stream. gloo: `_abandon`."""
     if any(tensor.is_cuda for tensor in tensors):
         with contextlib.suppress(Exception):  # a failed collective is over: nothing to join
             work.wait()

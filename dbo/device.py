@@ -55,9 +55,6 @@ class DeviceBackend(Protocol):
         and freed on `stream` from now on: keep the allocator from reusing their memory
         for the ubatch streams' later work before `stream` is done with them."""
 
-    def synchronize(self) -> None:
-        """Block the host until all work on the device is done."""
-
 
 class CpuStream:
     """A named placeholder: CPU ops run synchronously in the thread that issues them."""
@@ -72,18 +69,12 @@ class CpuStream:
 
 
 class CpuEvent:
-    """A host-side completion flag; complete as soon as it is recorded."""
+    """A CPU event: complete once recorded (CPU work is synchronous); names its stream."""
 
     __slots__ = ("stream",)
 
     def __init__(self, stream: CpuStream) -> None:
         self.stream = stream
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        """Nothing to wait for: CPU work recorded before the event has already run."""
 
 
 class _CpuCurrentStream(threading.local):
@@ -125,10 +116,6 @@ class CpuBackend:
 
     def hand_over(self, outputs: Any, stream: CpuStream) -> None:
         """Nothing to do: CPU memory is free once the host is done with it."""
-
-    def synchronize(self) -> None:
-        """Nothing to do: CPU work is synchronous."""
-
 
 class CudaBackend:
     """`torch.cuda` streams and events on one device; its streams are dbo's own
@@ -181,10 +168,6 @@ class CudaBackend:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
                 leaf.record_stream(stream)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
 
 class _OwnStreams:
     """The CUDA streams dbo creates, per device, and those no runner holds now.
