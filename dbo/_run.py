@@ -220,7 +220,8 @@ class OverlapRun:
         `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook of
         another ubatch runs on its owner's comm stream, ordered after the owner's current
         stream, and the owner's compute stream then waits for it: neither ubatch's queue
-        holds the other's work. A hook of the running ubatch runs on its current stream.
+        holds the other's work. A hook of the running ubatch, or of one that has ended
+        (the caller joins its streams already), runs on the running thread's stream.
         """
         pending = self._hooks_for[ubatch_id]
         if not pending:
@@ -232,7 +233,7 @@ class OverlapRun:
         try:
             for index, (owner, hook) in enumerate(pending):
                 self._running_hook_owner[running] = owner
-                foreign = owner != running
+                foreign = owner != running and not self.join_events[owner]
                 if foreign:
                     self._enter_comm_of(owner)
                 try:
