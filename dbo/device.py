@@ -170,15 +170,13 @@ class CudaBackend:
                 leaf.record_stream(stream)
 
 class _OwnStreams:
-    """The CUDA streams dbo creates, per device, and those no runner holds now.
+    """The CUDA streams dbo makes, and those no runner holds now, per device.
 
-    `torch.cuda.Stream()` hands out the 32 streams of a per-device pool round-robin, and
-    ProcessGroupNCCL (one internal stream per communicator) and CUDA-graph capture draw
-    from the same pool: its Stream objects alias each other. These streams come from the
-    driver instead (`cuStreamCreate`, non-blocking like the pool's, in the primary
-    context torch uses), wrapped as `torch.cuda.ExternalStream`s, so nothing else ever
-    gets one. They are never destroyed (the caching allocator records events on the
-    streams its live blocks were used on), only handed back and reused.
+    `torch.cuda.Stream()` hands out a per-device pool of 32 round-robin, the pool that
+    ProcessGroupNCCL's internal streams and graph capture's come from too. These come
+    from the driver (`cuStreamCreate`, non-blocking, in torch's primary context) as
+    `ExternalStream`s: nothing else gets one. Never destroyed (the caching allocator
+    records events on streams its live blocks were used on), only reused.
     """
 
     def __init__(self) -> None:
@@ -267,9 +265,8 @@ def distinct_streams(backend: DeviceBackend, count: int, taken: Collection[Any] 
 
 
 class StreamLease:
-    """One runner's streams on one device, none of them another live runner's; they go
-    back at `release()` or once nothing refers to the lease (a run still running on
-    them keeps it: a ubatch the watchdog gave up on)."""
+    """A runner's streams on one device, none another live runner's, until `release()`
+    or until nothing refers to the lease (a run the watchdog gave up on keeps it)."""
 
     def __init__(self, streams: list[Any], give_back: Any) -> None:
         self.streams = streams
@@ -284,8 +281,8 @@ class _HeldStreams:
         self._lock = threading.Lock()
         self._keys: dict[torch.device, set[Any]] = {}
         self._returned: list[tuple[DeviceBackend, list[Any]]] = []
-        """Released, not yet taken off `_keys`: a release may come from the garbage
-        collector inside `lease` (under the lock), so it only appends (atomic)."""
+        """Released, still in `_keys`: a release may come from the garbage collector
+        inside `lease`, under the lock, so it only appends."""
 
     def lease(self, backend: DeviceBackend, count: int) -> StreamLease:
         with self._lock:
