@@ -237,10 +237,10 @@ def test_a_returned_ubatchs_own_hooks_are_not_under_the_polling_limit(
 # ----------------------------------------------------------------------- stream order
 
 
-def test_a_recv_hook_orders_its_owners_streams_after_the_receive() -> None:
-    # The hook of ubatch 1 runs in ubatch 0's thread, so its kernels (a receive) go to
-    # ubatch 0's current stream; ubatch 1 reads the received data on its own streams,
-    # which must wait for an event recorded after the hook.
+def test_a_recv_hook_runs_on_its_owners_comm_stream() -> None:
+    # The hook of ubatch 1 runs in ubatch 0's thread, on ubatch 1's comm stream, ordered
+    # after ubatch 1's compute stream (where ubatch 1 is parked), not after ubatch 0's
+    # work; ubatch 1's compute stream then waits for what the hook enqueued.
 
     log: list[tuple[str, str, str]] = []
 
@@ -263,9 +263,10 @@ def test_a_recv_hook_orders_its_owners_streams_after_the_receive() -> None:
         assert run.maybe_run_recv_hook(0)
     finally:
         backend.set_current_stream(backend._default)
-    assert received == ["comm0"]
+    assert received == ["comm1"]
     assert log == [
-        ("record", "comm0", ""), ("wait", "compute1", "comm0"), ("wait", "comm1", "comm0"),
+        ("record", "compute1", ""), ("wait", "comm1", "compute1"),  # before the hook
+        ("record", "comm1", ""), ("wait", "compute1", "comm1"),  # after it
     ]  # fmt: skip
 
 
@@ -284,9 +285,10 @@ def test_a_hook_run_by_its_own_ubatch_needs_no_event() -> None:
     assert events == []
 
 
-def test_a_two_stage_hook_orders_its_first_owners_streams_after_both_stages() -> None:
-    """A stage a hook registers belongs to that hook's owner: with 3 ubatches, the owner's
-    streams wait for both stages, each run in another thread."""
+def test_a_two_stage_hook_runs_both_stages_on_its_first_owners_comm_stream() -> None:
+    """A stage a hook registers belongs to that hook's owner: with 3 ubatches, both
+    stages, each run in another thread, go to the owner's comm stream, and the owner's
+    compute stream waits for each."""
 
     waits: list[tuple[str, str]] = []
 
@@ -311,8 +313,8 @@ def test_a_two_stage_hook_orders_its_first_owners_streams_after_both_stages() ->
     finally:
         backend.set_current_stream(backend._default)
     assert waits == [
-        ("compute0", "compute1"), ("comm0", "compute1"),  # after stage one
-        ("compute0", "compute2"), ("comm0", "compute2"),  # after stage two
+        ("comm0", "compute0"), ("compute0", "comm0"),  # around stage one
+        ("comm0", "compute0"), ("compute0", "comm0"),  # around stage two
     ]  # fmt: skip
 
 
@@ -338,4 +340,4 @@ def test_the_hooks_that_ran_before_a_failing_one_still_order_their_owners_stream
             run.maybe_run_recv_hook(1)
     finally:
         backend.set_current_stream(backend._default)
-    assert waits == [("compute0", "compute1"), ("comm0", "compute1")]
+    assert waits == [("comm0", "compute0"), ("compute0", "comm0")] * 2  # both hooks
