@@ -7,7 +7,8 @@ Runs `examples/moe_overlap.py --spawn 2` (4 MoE layers, gloo on CPU) per batch s
 once on the dynamic path (`comm.moe.dispatch`) and once on the fixed-shape path
 (`--fixed-capacity` = the tokens: nothing dropped), and prints per size the median step
 time of the whole batch and of DBO on each path, and the host reads of one whole-batch
-step (counted by `examples/_host_reads.py`: on a GPU each is a wait for the device).
+inference step (counted by `examples/_host_reads.py`: on a GPU each is a wait for the
+device; a DBO step makes them per ubatch).
 """
 
 from __future__ import annotations

@@ -138,8 +138,8 @@ def _moe_path_rows(result: dict[str, Any]) -> list[Row]:
                    for t in sizes) + " | " +
         " / ".join(f"{by_path['fixed'][t]['dbo_ms'] / by_path['dynamic'][t]['dbo_ms']:.2f}"
                    for t in sizes),
-        f"step time over the dynamic path's; host reads per step {reads['fixed']} (fixed) vs "
-        f"{reads['dynamic']} (dynamic): on a GPU each read waits for the device",
+        f"step time over the dynamic path's; host reads per whole-batch step {reads['fixed']} "
+        f"(fixed) vs {reads['dynamic']} (dynamic): on a GPU each read waits for the device",
     )]
 
 

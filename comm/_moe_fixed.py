@@ -71,7 +71,8 @@ def dispatch_fixed(
             device; -1 means "no expert" (a padding token): nothing is sent and the pair
             contributes zero in `combine_fixed`.
         num_experts: total experts over the group, divisible by its size W.
-        capacity: the most rows one rank sends to one expert. `capacity >= T` drops
+        capacity: the most rows one rank sends to one expert, the same on every rank
+            (like `num_experts`: the blocks have one size). `capacity >= T` drops
             nothing (a token picks an expert at most once); a smaller one keeps the
             first `capacity` pairs per expert in token order and drops the rest (zero
             contribution, counted in `handle.num_dropped`).

@@ -89,7 +89,9 @@ class MoELayer(torch.nn.Module):
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """The fixed-shape path: no host read, shapes set by T, K, capacity and the world
-        size. More rows than tokens can never be used, so a call takes min(capacity, T)."""
+        size. More rows than tokens can never be used, so a call takes min(capacity, T):
+        the same on every rank here, since every rank has --tokens rows (dispatch_fixed
+        needs one capacity on every rank)."""
         capacity = min(self.capacity, x.shape[0]) or 1
         blocks, _, handle = comm.moe.dispatch_fixed(
             x, expert_ids, self.num_experts, capacity, check_ids=False

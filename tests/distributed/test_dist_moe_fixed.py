@@ -82,10 +82,33 @@ def _check_fixed_path() -> dict[str, object]:
         sent = [min(2, int((ids == e).sum())) for e in range(num_experts)]
         report["send_counts"].append(sent)  # type: ignore[union-attr]
         report["recv_counts"].append(recv_counts.tolist())  # type: ignore[union-attr]
+    _check_blocks_hold_each_sources_rows(rank, world, num_experts)
     _check_gradients(rank, num_experts, scales)
     _check_overlap(rank, num_experts, scales)
     _check_bad_id_raises_everywhere(rank, num_experts)
     return report
+
+
+def _check_blocks_hold_each_sources_rows(rank: int, world: int, num_experts: int) -> None:
+    """Block s of local expert e holds source rank s's rows for e in token order, then
+    zeros: tokens carry (source rank, token index, 1) as their values."""
+    num_tokens = 6
+    _, ids, _ = _routing(rank, num_tokens, num_experts, 30, "random")
+    x = torch.stack([torch.full((num_tokens,), float(rank)), torch.arange(num_tokens) * 1.0,
+                     torch.ones(num_tokens)], dim=1)
+    recv_x, recv_counts, _ = comm.moe.dispatch_fixed(x, ids, num_experts, num_tokens)
+    everyone = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(everyone, ids)
+    for local in range(EXPERTS_PER_RANK):
+        expert = rank * EXPERTS_PER_RANK + local
+        for source in range(world):
+            block = recv_x[local, source * num_tokens : (source + 1) * num_tokens]
+            tokens = (everyone[source] == expert).any(dim=1).nonzero().flatten()
+            assert int(recv_counts[local, source]) == len(tokens)
+            expected = torch.stack([torch.full((len(tokens),), float(source)),
+                                    tokens * 1.0, torch.ones(len(tokens))], dim=1)
+            assert torch.equal(block[: len(tokens)], expected), (local, source)
+            assert not block[len(tokens):].any()
 
 
 def _check_gradients(rank: int, num_experts: int, scales: torch.Tensor) -> None:

@@ -222,3 +222,40 @@ def test_inside_an_overlap_it_is_bitwise_the_serial_run(num_ubatches: int) -> No
     parts = list(zip(*(torch.tensor_split(t, num_ubatches) for t in (x, ids, weights))))
     serial = torch.cat([layer(*part) for part in parts])
     assert torch.equal(dbo.overlap(layer, num_ubatches=num_ubatches)(x, ids, weights), serial)
+
+
+def test_training_through_an_overlap_gives_the_serial_gradients() -> None:
+    x, ids, weights = _case(10, 4, 2, 16)
+    ids[2] = -1
+    expert_weights = torch.randn(4, 6, 6, dtype=torch.float64)
+    grads = []
+    for overlapped in (False, True):
+        weight = expert_weights.clone().requires_grad_()
+        tokens = x.clone().requires_grad_()
+
+        def layer(x_part, ids_part, w_part, weight=weight):
+            recv_x, _, handle = comm.moe.dispatch_fixed(x_part, ids_part, 4, 6, check_ids=False)
+            expert_out = torch.tanh(torch.bmm(recv_x, weight)).clone()
+            expert_out[:, -1] = float("nan")  # row 5 of 5 tokens: padding in every block
+            return comm.moe.combine_fixed(expert_out, handle, w_part)
+
+        if overlapped:
+            out = dbo.overlap(layer)(tokens, ids, weights)
+        else:
+            parts = zip(*(t.tensor_split(2) for t in (tokens, ids, weights)))
+            out = torch.cat([layer(*part) for part in parts])
+        (out * out).sum().backward()
+        grads.append((tokens.grad, weight.grad))
+    assert not any(grad.isnan().any() for grad in grads[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_bad_id_in_one_ubatch_raises_from_the_overlap() -> None:
+    x, ids, weights = _case(8, 4, 2, 17)
+    ids[6, 1] = 9  # in ubatch 1's half
+
+    def layer(x_part, ids_part, w_part):
+        return fixed_round_trip(x_part, ids_part, w_part, 4, 4, expert_scales(4, 0), True)
+
+    with pytest.raises(ValueError, match=r"\[-1, 4\); the group's rank\(s\) \[0\]"):
+        dbo.overlap(layer, timeout_s=30)(x, ids, weights)
