@@ -43,6 +43,12 @@ def test_a_sharded_model_equals_the_unsharded_one_with_its_gradients(
     names = comm.moe.shard_experts(model)
     assert names == ["model.layers.0.mlp", "model.layers.1.mlp"]
     ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(1))
+    _assert_same_outputs_and_gradients(model, reference, ids)
+
+
+def _assert_same_outputs_and_gradients(
+    model: torch.nn.Module, reference: torch.nn.Module, ids: torch.Tensor
+) -> None:
     got, expected = model(ids).logits, reference(ids).logits
     torch.testing.assert_close(got, expected)
     (got * got).sum().backward()
@@ -65,13 +71,7 @@ def test_on_the_fixed_shape_path_a_sharded_model_equals_the_unsharded_one(
     reference = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (3, 7), generator=torch.Generator().manual_seed(4))
     comm.moe.shard_experts(model, capacity=ids.numel())  # >= T: nothing dropped
-    got, expected = model(ids).logits, reference(ids).logits
-    torch.testing.assert_close(got, expected)
-    (got * got).sum().backward()
-    (expected * expected).sum().backward()
-    grads = dict(reference.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name].grad, msg=name)
+    _assert_same_outputs_and_gradients(model, reference, ids)
     with pytest.raises(ValueError, match="capacity must be an int >= 1"):
         comm.moe.shard_experts(tiny_moe(kind), capacity=0)
 
