@@ -249,6 +249,7 @@ class OverlapRun:
                         owner_streams = self.streams[owner]
                         done = self.backend.record_event(owner_streams.comm)
                         self.backend.wait_event(owner_streams.compute, done)
+                        self.backend.set_current_stream(previous)  # for the next hook
         finally:
             self.backend.set_current_stream(previous)
         return True

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dbo
+from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
 from dbo.device import CpuBackend, CpuEvent, CpuStream
 
@@ -341,3 +342,37 @@ def test_the_hooks_that_ran_before_a_failing_one_still_order_their_owners_stream
     finally:
         backend.set_current_stream(backend._default)
     assert waits == [("comm0", "compute0"), ("compute0", "comm0")] * 2  # both hooks
+
+
+def test_a_hook_after_another_ubatchs_hook_runs_on_its_own_ubatchs_stream() -> None:
+    """Ubatch 1 runs ubatch 0's hook (on comm0), then the second stage of its own
+    receive: that stage goes back to ubatch 1's stream, not comm0."""
+    seen: dict[str, str] = {}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        context = current_context()
+        assert context is not None and context.run is not None
+        backend = context.run.backend
+
+        def note(key: str) -> None:
+            seen[key] = backend.current_stream().name
+
+        if dbo.current_ubatch_id() == 0:
+            dbo.yield_()
+            dbo.register_recv_hook(lambda: note("hook of 0"))
+            dbo.maybe_run_recv_hook()  # ubatch 1's first stage, which queues its second
+            dbo.yield_()
+        else:
+            dbo.register_recv_hook(lambda: (note("stage 1"), dbo.register_recv_hook(
+                lambda: note("stage 2")
+            )))
+            dbo.yield_()
+            dbo.maybe_run_recv_hook()  # ubatch 0's hook, then stage 2 of its own
+            note("ubatch 1 after")
+        return x
+
+    _overlap(fn)(torch.zeros(2))
+    assert seen == {
+        "stage 1": "comm1", "hook of 0": "comm0", "stage 2": "compute1",
+        "ubatch 1 after": "compute1",
+    }  # fmt: skip
