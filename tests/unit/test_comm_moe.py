@@ -132,7 +132,7 @@ def test_bad_combine_raises_before_any_collective(
 
 def test_num_experts_must_divide_over_the_ranks() -> None:
     # A world of 1 divides everything: check the rule dispatch applies for 4 ranks.
-    from comm.moe import _check_num_experts
+    from comm.moe._exchange import _check_num_experts
 
     with pytest.raises(ValueError, match="num_experts=6 must be divisible by the group size 4"):
         _check_num_experts(6, 4)

@@ -139,7 +139,7 @@ def test_an_expert_count_the_group_does_not_divide_is_refused_before_any_change(
         def size(self) -> int:
             return 3
 
-    monkeypatch.setattr("comm._hf.resolve_group", lambda group: GroupOfThree())
+    monkeypatch.setattr("comm.moe.hf.resolve_group", lambda group: GroupOfThree())
     model = tiny_moe("mixtral", num_experts=4)
     before = {name: param.shape for name, param in model.named_parameters()}
     with pytest.raises(ValueError, match="4 experts, which do not split evenly over the 3"):

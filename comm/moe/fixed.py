@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from comm._checks import require_same_device, require_tensor, resolve_group
-from comm.moe import (
+from comm.moe._exchange import (
     check_dispatch,
     check_weights,
     exchange_counts,

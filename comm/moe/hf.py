@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from comm._checks import resolve_group
-from comm._moe_fixed import check_capacity, combine_fixed, dispatch_fixed
-from comm.moe import combine, dispatch
+from comm.moe.dynamic import combine, dispatch
+from comm.moe.fixed import check_capacity, combine_fixed, dispatch_fixed
 
 
 def shard_experts(

@@ -1,0 +1,209 @@
+"""What both `comm.moe` paths share: argument checks, the counts exchange (which
+carries every rank's bad-id flag), the weighted sum, and the row exchange.
+
+Backward takes the same all-to-alls back, in one order on every rank, which autograd
+does not give for graphs recorded in several threads. So each differentiable exchange
+takes zero-element *order tokens* and returns one, and its backward runs before those
+of the exchanges whose tokens it took: `combine` takes `dispatch`'s, and inside an
+overlap each exchange takes the run's latest (`dbo.run_state()`) and publishes its own
+before it yields. Gradients are first order.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import dbo
+from comm._checks import require_same_device, require_tensor
+from comm.collectives import CollectiveWork, all_to_all_single
+
+Splits = tuple[int, ...] | None  # rows to/from each rank; None: equal parts
+
+
+def check_dispatch(
+    x: Any, topk_ids: Any, num_experts: Any, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    x = require_tensor("x", x)
+    topk_ids = require_tensor("topk_ids", topk_ids)
+    num_experts = _check_num_experts(num_experts, world_size)
+    if x.ndim != 2:
+        raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor (torch.int64), got {topk_ids.dtype}")
+    if topk_ids.ndim != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids must be [num_tokens, k] with num_tokens = x.shape[0] = {x.shape[0]} "
+            f"and k >= 1, got shape {tuple(topk_ids.shape)}"
+        )
+    require_same_device("x", x, "topk_ids", topk_ids)
+    return x, topk_ids, num_experts
+
+
+def exchange_counts(
+    counts_table: torch.Tensor, bad_ids: torch.Tensor, group: dist.ProcessGroup,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, CollectiveWork | None]:
+    """Send row r of `counts_table` [W, E_local] to rank r, with this rank's bad-id flag
+    (a bool scalar) as one more column: `(received [W, E_local + 1], work)`, row s from
+    rank s, its flag last. Even splits: no host read."""
+    flags = bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)
+    sent = torch.cat([counts_table, flags], dim=1)
+    received = torch.empty_like(sent)
+    return received, all_to_all_single(received, sent, group=group, async_op=async_op)
+
+
+def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
+    """ValueError on every rank when any rank's flag is set: every rank read the same
+    flags from the counts exchange, so none is left waiting in the next collective."""
+    bad_ranks = [rank for rank, flag in enumerate(flags) if flag]
+    if bad_ranks:
+        raise ValueError(
+            f"topk_ids must be in [{low}, num_experts) = [{low}, {num_experts}); the group's "
+            f"rank(s) {bad_ranks} passed expert ids outside it"
+        )
+
+
+def weighted_sum(per_pair: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """`y[t] = sum_k w[t, k] * per_pair[t * K + k]`: [T, H] in `per_pair`'s dtype, summed
+    over k in order in the promoted dtype."""
+    num_tokens, topk = topk_weights.shape
+    dtype = torch.promote_types(per_pair.dtype, topk_weights.dtype)
+    pairs = per_pair.view(num_tokens, topk, per_pair.shape[1]).to(dtype)
+    return (pairs * topk_weights.to(dtype).unsqueeze(-1)).sum(dim=1).to(per_pair.dtype)
+
+
+def check_weights(
+    topk_weights: torch.Tensor, expert_out: torch.Tensor, num_tokens: int, topk: int
+) -> None:
+    """`topk_weights` is [T, K] floating point, on `expert_out`'s device."""
+    if topk_weights.shape != (num_tokens, topk):
+        raise ValueError(
+            f"topk_weights must be [num_tokens, k] = [{num_tokens}, {topk}] (the shape of "
+            f"the dispatch's topk_ids), got {tuple(topk_weights.shape)}"
+        )
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
+
+
+_ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.run_state()` key: the run's latest token
+
+
+def run_has_order_token() -> bool:
+    state = dbo.run_state()
+    return state is not None and state.get(_ORDER_TOKEN_KEY) is not None
+
+
+def exchange_rows(
+    rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
+    group: dist.ProcessGroup, anchor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`. Through
+    `_ExchangeRows` when grad mode is on and `rows`, `anchor` or the run's latest token
+    requires grad (inside an overlap its token becomes the run's latest before it
+    yields); else a plain all-to-all and no token."""
+    if not torch.is_grad_enabled():
+        return _send_rows(rows, output_splits, input_splits, group)[0], None
+    state = dbo.run_state()
+    latest = None if state is None else state.get(_ORDER_TOKEN_KEY)
+    tokens: tuple[torch.Tensor, ...] = () if latest is None else (latest,)
+    if anchor is not None and anchor.requires_grad and not any(t is anchor for t in tokens):
+        tokens = (*tokens, anchor)
+    if not (rows.requires_grad or tokens):
+        return _send_rows(rows, output_splits, input_splits, group)[0], None
+    if state is None:
+        return _ExchangeRows.apply(rows, output_splits, input_splits, group, None, *tokens)
+    # Launch, publish the token, then yield and wait: the chain follows the launch order.
+    pending: list[CollectiveWork] = []
+    received, token = _ExchangeRows.apply(
+        rows, output_splits, input_splits, group, pending, *tokens
+    )
+    state[_ORDER_TOKEN_KEY] = token
+    pending[0].wait()
+    return received, token
+
+
+def _send_rows(
+    rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
+    group: dist.ProcessGroup, async_op: bool = False,
+) -> tuple[torch.Tensor, CollectiveWork | None]:
+    """The row all-to-all: `rows` out by `input_splits`, `(received, handle)` in by
+    `output_splits` (None: equal parts, as many rows in as out); the handle is None
+    unless `async_op`."""
+    num_rows = rows.shape[0] if output_splits is None else sum(output_splits)
+    received = rows.new_empty((num_rows, *rows.shape[1:]))
+    work = all_to_all_single(
+        received, rows.contiguous(), output_splits, input_splits, group=group,
+        async_op=async_op,
+    )
+    return received, work
+
+
+class _ExchangeRows(torch.autograd.Function):
+    """`all_to_all_single` of rows that autograd differentiates: the gradient takes the
+    same exchange back, splits swapped, where autograd runs it (blocking, usually).
+
+    Inputs: `rows`, the splits, the group, `pending` (None: blocking; a list: launch only
+    and append the `CollectiveWork`), then any order tokens. Outputs: the received rows
+    and a new zero-element float32 token. A backward with `create_graph=True` raises on
+    every rank before its exchange: a second order would lack the exchange's part.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
+        group: dist.ProcessGroup,
+        pending: list[CollectiveWork] | None, *tokens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        ctx.token_devices = tuple(token.device for token in tokens)
+        received, work = _send_rows(
+            rows, output_splits, input_splits, group, async_op=pending is not None
+        )
+        if pending is not None:
+            assert work is not None
+            pending.append(work)
+        return received, torch.empty(0, dtype=torch.float32, device=rows.device)
+
+    @staticmethod
+    def backward(ctx: Any, grad_received: torch.Tensor, grad_token: Any) -> tuple[Any, ...]:
+        if torch.is_grad_enabled():
+            # The exchange below records no graph. Every rank runs the same backward, so
+            # every rank raises here, before the collective: none is left waiting.
+            raise RuntimeError(
+                "comm.moe.dispatch/combine support first-order gradients only: a backward "
+                "with create_graph=True (a gradient penalty, double backward) through "
+                "them is not supported"
+            )
+        output_splits, input_splits = ctx.splits
+        # A missing gradient arrives as zeros: a rank whose rows were unused still sends.
+        grad_rows, _ = _send_rows(grad_received, input_splits, output_splits, ctx.group)
+        token_grads = tuple(
+            torch.zeros(0, dtype=torch.float32, device=device) if needed else None
+            for device, needed in zip(ctx.token_devices, ctx.needs_input_grad[5:])
+        )
+        return (grad_rows if ctx.needs_input_grad[0] else None, None, None, None, None,
+                *token_grads)
+
+
+def _check_num_experts(num_experts: Any, world_size: int) -> int:
+    try:
+        value = operator.index(num_experts)
+    except TypeError:
+        raise TypeError(f"num_experts must be an int, got {num_experts!r}") from None
+    if isinstance(num_experts, bool) or value < 1:
+        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    if value % world_size != 0:
+        raise ValueError(
+            f"num_experts={value} must be divisible by the group size {world_size} (experts "
+            f"are split evenly over the ranks); use a multiple of {world_size}"
+        )
+    return value
+
+
+# Last: both build on the names above.

@@ -1,0 +1,178 @@
+"""The dynamic path: `dispatch` sends each (token, k) pair as one row, `combine` brings
+the rows back. Counts go first, so uneven loads and empty ranks work; the split sizes
+are read on the host once per `dispatch`. Inside an overlap `dispatch` yields twice,
+`combine` once. When only the experts train, `combine` in grad mode first all-reduces
+whether any rank's `expert_out` requires grad.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from comm._checks import require_tensor, resolve_group
+from comm.collectives import all_reduce
+from comm.moe._exchange import (
+    check_dispatch,
+    check_weights,
+    exchange_counts,
+    exchange_rows,
+    raise_if_bad_ids,
+    run_has_order_token,
+    weighted_sum,
+)
+from dbo.graphs import refuse_under_capture
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """What `combine` needs to route the outputs back: valid for one `combine` on the
+    same ranks (the same ubatch, inside an overlap)."""
+
+    group: dist.ProcessGroup  # the base group the tokens were dispatched over
+    num_tokens: int  # T: rows of dispatch's `x`
+    topk: int  # K: experts per token
+    num_local_experts: int  # E_local: experts per rank
+    sort_order: torch.Tensor
+    """[T * K] int64: sent row j is the (token, k) pair `sort_order[j]` = `token * K + k`."""
+    send_splits: tuple[int, ...]  # rows sent to each rank
+    recv_splits: tuple[int, ...]  # rows received from each rank
+    num_recv_tokens_per_expert: torch.Tensor
+    """[world_size, E_local] int64 on the host: the rows received per source and expert."""
+    order_token: torch.Tensor | None = None  # dispatch's (module docstring); None: no graph
+    rows_per_local_expert: tuple[int, ...] = ()
+    """Rows of `recv_x` per local expert, over all sources (host ints: grouping the rows
+    by expert needs no host read)."""
+
+    @property
+    def num_recv_tokens(self) -> int:
+        """Rows of `recv_x`, and of the `expert_out` that `combine` expects."""
+        return sum(self.recv_splits)
+
+
+def dispatch(
+    x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+    """Send each token to the ranks that own its top-k experts.
+
+    Args:
+        x: [T, H] tokens (any dtype the backend moves; T may be 0).
+        topk_ids: [T, K] integer global expert ids in `[0, num_experts)`, same device as x.
+        num_experts: total experts over the group, divisible by its size.
+        group: the expert-parallel group; None: the default group.
+
+    Returns `(recv_x, recv_local_expert_ids, handle)`: `recv_x` [R, H] (x's dtype and
+    device), the rows this rank's experts process, grouped by source rank, then local
+    expert, then the source's (token, k) order; `recv_local_expert_ids` [R] int64 in
+    `[0, E_local)`; `handle` for `combine`.
+
+    Inside an overlap the all-to-alls run on the ubatch's comm stream; the results are
+    ready on its compute stream on return. The split sizes are read on the host once,
+    after the counts exchange (one synchronization on CUDA). TypeError / ValueError
+    before any communication for a bad shape, dtype, device or `num_experts`; an
+    expert id outside `[0, num_experts)` on any rank raises ValueError on every rank
+    after the counts exchange. Under CUDA-graph capture use `dispatch_fixed`.
+    """
+    refuse_under_capture("comm.moe.dispatch")
+    base = resolve_group(group)
+    world_size = base.size()
+    x, topk_ids, num_experts = check_dispatch(x, topk_ids, num_experts, world_size)
+    num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
+    num_local_experts = num_experts // world_size
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    bad_ids = ((flat_ids < 0) | (flat_ids >= num_experts)).any()
+    # Clamped only so that the count runs (bad ids raise below, on every rank);
+    # scatter_add_ rather than bincount, which synchronizes on CUDA.
+    clamped_ids = flat_ids.clamp(0, num_experts - 1)
+    counts_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts_per_expert.scatter_add_(0, clamped_ids, torch.ones_like(clamped_ids))  # [E]
+    sort_order = torch.argsort(flat_ids, stable=True)
+    send_rows = x.index_select(0, torch.div(sort_order, topk, rounding_mode="floor"))
+
+    # Rank r gets counts_per_expert[r * E_local:(r + 1) * E_local] and every rank's flag.
+    counts_table = counts_per_expert.view(world_size, num_local_experts)
+    received, _ = exchange_counts(counts_table, bad_ids, base)
+    # The one host read, after the counts exchange (which yields inside an overlap, so
+    # the other ubatch's work is queued before this thread waits): splits both ways.
+    # Row s: the rows rank s sends to each local expert, its flag, the rows for rank s.
+    rows = torch.cat([received, counts_table.sum(dim=1, keepdim=True)], dim=1).tolist()
+    raise_if_bad_ids([row[-2] for row in rows], 0, num_experts)
+    send_splits = [row[-1] for row in rows]
+    recv_counts = [row[:-2] for row in rows]
+    recv_splits = [sum(counts) for counts in recv_counts]
+
+    recv_x, order_token = exchange_rows(send_rows, tuple(recv_splits), tuple(send_splits), base)
+    recv_local_expert_ids = torch.repeat_interleave(
+        torch.arange(num_local_experts, device=x.device).repeat(world_size),
+        received[:, :-1].reshape(-1), output_size=recv_x.shape[0],
+    )
+    handle = DispatchHandle(
+        base, num_tokens, topk, num_local_experts, sort_order, tuple(send_splits),
+        tuple(recv_splits), torch.tensor(recv_counts, dtype=torch.int64), order_token,
+        tuple(map(sum, zip(*recv_counts))) if recv_counts else (0,) * num_local_experts,
+    )
+    return recv_x, recv_local_expert_ids, handle
+
+
+def combine(
+    expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Send expert outputs back and sum them per token: `y[t] = sum_k w[t, k] * out(t, k)`.
+
+    `expert_out` [R, H_out]: row i the expert output for `recv_x[i]` of the `dispatch`
+    that returned `handle`. `topk_weights` [T, K] floating, same device. Returns `y`
+    [T, H_out] in token order and `expert_out`'s dtype (summed over k in order in the
+    promoted dtype). One all-to-all, one yield inside an overlap (and one small
+    all-reduce when only the experts train); TypeError / ValueError before any
+    communication for bad shapes or dtypes.
+    """
+    expert_out, topk_weights = _check_combine(expert_out, handle, topk_weights)
+    anchor = handle.order_token
+    if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
+        anchor = _agree_on_grad(expert_out, handle.group)
+    returned, _ = exchange_rows(
+        expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor
+    )
+    # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
+    per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
+    return weighted_sum(per_pair, topk_weights)
+
+
+def _check_combine(
+    expert_out: Any, handle: Any, topk_weights: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(
+            f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}"
+        )
+    expert_out = require_tensor("expert_out", expert_out)
+    topk_weights = require_tensor("topk_weights", topk_weights)
+    if expert_out.ndim != 2 or expert_out.shape[0] != handle.num_recv_tokens:
+        raise ValueError(
+            f"expert_out must be [num_recv_tokens = {handle.num_recv_tokens} (the rows "
+            f"dispatch returned), hidden], got shape {tuple(expert_out.shape)}"
+        )
+    check_weights(topk_weights, expert_out, handle.num_tokens, handle.topk)
+    if handle.sort_order.device != expert_out.device:
+        raise ValueError(
+            f"expert_out is on {expert_out.device} but dispatch ran on "
+            f"{handle.sort_order.device}; keep the expert outputs on the tokens' device"
+        )
+    return expert_out, topk_weights
+
+
+def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """For a `combine` in grad mode with no order token to take: all-reduce (MAX) whether
+    any rank's `expert_out` requires grad. Returns an anchor that makes this rank's
+    exchange differentiable when its own `expert_out` would not, else None."""
+    needs_grad = expert_out.requires_grad
+    # torch.full: a copy from host memory would be one more host sync.
+    flag = torch.full((1,), int(needs_grad), dtype=torch.int32, device=expert_out.device)
+    all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if needs_grad or not bool(flag.item()):
+        return None
+    return torch.zeros(0, dtype=torch.float32, device=expert_out.device, requires_grad=True)
