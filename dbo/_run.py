@@ -221,7 +221,8 @@ class OverlapRun:
         another ubatch runs on its owner's comm stream, ordered after the owner's current
         stream, and the owner's compute stream then waits for it: neither ubatch's queue
         holds the other's work. A hook of the running ubatch, or of one that has ended
-        (the caller joins its streams already), runs on the running thread's stream.
+        (after its join events: the caller joins the owner's streams already), runs on
+        the running thread's stream.
         """
         pending = self._hooks_for[ubatch_id]
         if not pending:
@@ -236,6 +237,9 @@ class OverlapRun:
                 foreign = owner != running and not self.join_events[owner]
                 if foreign:
                     self._enter_comm_of(owner)
+                elif owner != running:
+                    for event in self.join_events[owner]:
+                        self.backend.wait_event(previous, event)
                 try:
                     hook()
                 except BaseException as error:  # noqa: B036 - re-raised, with where it came from

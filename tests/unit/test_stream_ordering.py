@@ -119,24 +119,26 @@ def test_a_recv_hook_runs_on_its_owners_comm_stream_and_orders_no_other_ubatch(
     assert crossing == []
 
 
-def test_a_recv_hook_whose_owner_has_ended_runs_on_the_running_ubatchs_stream(
+def test_a_recv_hook_whose_owner_has_ended_runs_on_the_running_ubatchs_stream_after_it(
     log: list[tuple[str, ...]],
 ) -> None:
     """Ubatch 0 has returned (the caller's stream joins its streams already): its hook,
-    run by ubatch 1, goes to ubatch 1's stream, which the caller joins later."""
-    seen: list[str] = []
+    run by ubatch 1, goes to ubatch 1's stream, which the caller joins later, after
+    that stream waits for ubatch 0's join events."""
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         backend = _backend()
         if dbo.current_ubatch_id() == 0:
-            dbo.register_recv_hook(lambda: seen.append(backend.current_stream().name))
+            dbo.register_recv_hook(lambda: log.append(("hook", backend.current_stream().name)))
             return x
         dbo.maybe_run_recv_hook()
         return x
 
     dbo.overlap(fn)(torch.zeros(2))
-    assert seen == ["compute1"]
-    joined = log.index(("record", "comm0"))  # ubatch 0's last join event
+    joined, hook = log.index(("record", "comm0")), log.index(("hook", "compute1"))
+    assert joined < hook and log[hook - 2 : hook] == [
+        ("wait", "compute1", "compute0"), ("wait", "compute1", "comm0"),
+    ]  # fmt: skip
     assert not [entry for entry in log[joined + 1 :] if entry[1].endswith("0")]
 
 
