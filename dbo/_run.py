@@ -107,20 +107,25 @@ class OverlapRun:
 
     def exit(self, ubatch_id: int, previous_stream: Any) -> None:
         """After `fn`: after a failure, the failure callbacks (on the comm stream); record
-        the events the caller's stream joins on; restore the stream."""
-        streams = self.streams[ubatch_id]
-        if not self._ended_normally[ubatch_id]:
-            self.backend.set_current_stream(streams.comm)
-            callbacks, self._exit_callbacks[ubatch_id] = self._exit_callbacks[ubatch_id], []
-            for _, on_failure in callbacks:
-                if on_failure is not None:
-                    with contextlib.suppress(Exception):  # the ubatch's own error is reported
-                        on_failure()
-        self.join_events[ubatch_id] = [
-            self.backend.record_event(streams.compute),
-            self.backend.record_event(streams.comm),
-        ]
-        self.backend.set_current_stream(previous_stream)
+        the events the caller's stream joins on; restore the stream, always. After a
+        failure the join is best effort: a failed capture's events raise on every use,
+        and the ubatch's own error is what the caller gets."""
+        streams, failed = self.streams[ubatch_id], not self._ended_normally[ubatch_id]
+        try:
+            if failed:
+                self.backend.set_current_stream(streams.comm)
+                callbacks, self._exit_callbacks[ubatch_id] = self._exit_callbacks[ubatch_id], []
+                for _, on_failure in callbacks:
+                    if on_failure is not None:
+                        with contextlib.suppress(Exception):  # the ubatch's error is reported
+                            on_failure()
+            with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
+                self.join_events[ubatch_id] = [
+                    self.backend.record_event(streams.compute),
+                    self.backend.record_event(streams.comm),
+                ]
+        finally:
+            self.backend.set_current_stream(previous_stream)
 
     def add_exit_callback(
         self, ubatch_id: int, callback: Callable[[], Any],

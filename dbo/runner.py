@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import logging
 import math
@@ -434,7 +435,7 @@ class UBatchRunner:
         run.baton.abort(reason, wake_all=True)
         if run.baton.wait_done(_ABORT_GRACE_S):
             run.drop_leftovers()
-            self._join_streams(run)
+            self._join_streams(run, best_effort=True)
             return
         baton = run.baton  # not the run: it holds the streams until it is freed
         wait_at_exit(lambda s: not baton.wait_done(s))
@@ -448,8 +449,8 @@ class UBatchRunner:
         self, run: OverlapRun, results: list[Any], errors: list[BaseException | None]
     ) -> list[Any]:
         """The outputs of a run that ended, or its first failure, re-raised."""
-        self._join_streams(run)
         failure = run.first_failure or _first_failure(errors)
+        self._join_streams(run, best_effort=failure is not None)
         if failure is None:
             run.backend.hand_over(results, run.caller_stream)
             return results
@@ -468,11 +469,13 @@ class UBatchRunner:
             del error
 
     @staticmethod
-    def _join_streams(run: OverlapRun) -> None:
-        """Order the caller's stream after every ubatch's compute and comm streams."""
+    def _join_streams(run: OverlapRun, best_effort: bool) -> None:
+        """Order the caller's stream after every ubatch's compute and comm streams;
+        `best_effort` after a failure (a failed capture's streams raise on every use)."""
         for events in run.join_events:
             for event in events:
-                run.backend.wait_event(run.caller_stream, event)
+                with contextlib.suppress(Exception) if best_effort else contextlib.nullcontext():
+                    run.backend.wait_event(run.caller_stream, event)
 
     def _wait(self, run: OverlapRun, timeout_s: float | None) -> None:
         """Wait for the run to end; with `timeout_s`, watch how long the holder holds."""

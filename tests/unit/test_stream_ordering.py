@@ -398,3 +398,53 @@ def test_on_failure_runs_instead_of_the_exit_callback_on_the_comm_stream_before_
     ]  # fmt: skip
     with pytest.raises(TypeError, match="on_failure must be callable or None"):
         dbo.at_ubatch_exit(print, on_failure=3)  # type: ignore[arg-type]
+
+
+class _Invalidated(CpuBackend):
+    """A backend whose events raise on every use once `broken` is set, as those of a
+    failed CUDA-graph capture do; logs the stream each thread makes current."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = False
+        self.current: dict[str, str] = {}
+
+    def record_event(self, stream: CpuStream) -> CpuEvent:
+        if self.broken:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().record_event(stream)
+
+    def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+        if self.broken:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        super().wait_event(stream, event)
+
+    def set_current_stream(self, stream: CpuStream) -> None:
+        self.current[threading.current_thread().name] = stream.name
+        super().set_current_stream(stream)
+
+
+def test_a_failed_capture_reports_the_ubatchs_own_error_and_restores_the_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ubatch 1 ends normally; ubatch 0 then fails and its events, like its join and the
+    caller's, raise: the caller gets ubatch 0's error, each worker is back on the stream
+    it had, and the runner runs again."""
+    backend = _Invalidated()
+    monkeypatch.setattr(runner_module, "backend_for", lambda device: backend)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if dbo.current_ubatch_id() == 0:
+            dbo.yield_()
+            backend.broken = True
+            raise ValueError("the capture's own error")
+        return x
+
+    with dbo.UBatchRunner(2) as runner:
+        with pytest.raises(ValueError, match="the capture's own error") as raised:
+            runner.run(fn, [((torch.zeros(1),), {})] * 2, timeout_s=30)
+        assert getattr(raised.value, "ubatch_id", None) == 0
+        assert {backend.current[thread.name] for thread in runner.threads} == {"default"}
+        backend.broken = False
+        outputs = runner.run(lambda x: x + 1, [((torch.zeros(1),), {})] * 2)
+        assert all(torch.equal(output, torch.ones(1)) for output in outputs)
