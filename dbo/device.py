@@ -218,16 +218,15 @@ def _create_cuda_stream(index: int) -> int:
 
     device, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
     check(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+    # Retained for good, never released: on a device the runtime has not used yet this
+    # retain creates the primary context, and a release would destroy it with the stream.
     check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuCtxRetain")
+    check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
     try:
-        check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
-        try:
-            check(driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
-                  "cuStreamCreate")
-        finally:
-            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        check(driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
+              "cuStreamCreate")
     finally:
-        driver.cuDevicePrimaryCtxRelease_v2(device)
+        driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     assert stream.value, "cuStreamCreate succeeded, so it wrote a handle"
     return stream.value
 

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import comm
 import dbo
 from comm import collectives
+from dbo import device as device_module
 from dbo import runner as runner_module
 from dbo._context import current_context
 from dbo.device import CpuBackend, CpuEvent, CpuStream
@@ -226,6 +227,40 @@ def test_a_runner_broken_by_the_watchdog_keeps_its_streams_until_its_ubatch_retu
         release.set()
         replacement.close()
         later.close()
+
+
+class _FakeDriver:
+    """libcuda's calls that `_create_cuda_stream` makes, logged, with the primary
+    context's reference count (0: the driver destroys it and its streams)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.references = 0
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            self.calls.append(name)
+            if name == "cuDevicePrimaryCtxRetain":
+                self.references += 1
+            elif name.startswith("cuDevicePrimaryCtxRelease"):
+                self.references -= 1
+            elif name == "cuStreamCreate":
+                args[0]._obj.value = 0x5EED  # the handle, through byref
+            return 0
+
+        return call
+
+
+def test_a_driver_made_stream_keeps_its_primary_context_retained(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a device the runtime has not used yet, the retain creates the primary context:
+    a release would destroy it, and the new stream with it."""
+    driver = _FakeDriver()
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(device_module.ctypes, "CDLL", lambda name: driver)
+    assert device_module._create_cuda_stream(0) == 0x5EED
+    assert "cuStreamCreate" in driver.calls and driver.references == 1
 
 
 # ------------------------------------------------------------------- the inputs' device
