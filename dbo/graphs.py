@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.api import run_state
+from dbo.errors import add_note
 from dbo.overlap import _runner_pool, overlap
 from dbo.runner import UBatchRunner
 from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
@@ -40,8 +41,8 @@ class OverlapGraph:
     `outputs` are the static output tensors, rewritten by every replay (clone what must
     outlive the next one); `static_inputs` are what the next replay reads; `cuda_graph`
     is the `torch.cuda.CUDAGraph`. The graph holds the addresses of both and of the
-    workspace buffers: keep the workspace manager, locked, while you replay, and order
-    the replays with the workspace's other users (the same stream does).
+    workspace buffers: keep the workspace manager, locked, while you replay (capture the
+    largest batch first), and order the replays with its other users (one stream does).
     """
 
     def __init__(self, cuda_graph: Any, static_inputs: tuple[Any, ...], outputs: Any) -> None:
@@ -94,13 +95,14 @@ def capture_graph(
     The inputs are split along dim 0 and the outputs merged as `dbo.overlap(fn)` does,
     always in ubatches. `warmup` eager runs come first, on the ubatch threads and streams
     of the capture, to do what cannot be captured: cuBLAS handles, NCCL communicators,
-    the workspace at its final size. The process-wide workspace (if any) is then locked
-    and one more run is captured: the ubatch streams fork from the capture stream (a side
-    stream, current in this thread) and join back into it through the runner's events;
-    the baton runs as usual. Work `fn` puts on streams of its own must rejoin its ubatch's
-    stream before `fn` returns. One capture at a time, and no other thread may use CUDA
-    meanwhile (`CAPTURE_ERROR_MODE`). `pool`: a `torch.cuda.graph_pool_handle()` shared
-    with graphs that never replay at the same time.
+    the workspace at its final size. The process-wide workspace (if any) is then locked,
+    for good (capture the largest batch first: one needing more fails in its warmup with
+    `WorkspaceLockedError`), and one more run is captured: the ubatch streams fork from
+    the capture stream (a side stream, current in this thread) and join back into it
+    through the runner's events; the baton runs as usual. Work `fn` puts on streams of
+    its own must rejoin its ubatch's stream before `fn` returns. One capture at a time,
+    and no other thread may use CUDA meanwhile (`CAPTURE_ERROR_MODE`). `pool`: a
+    `torch.cuda.graph_pool_handle()` shared with graphs that never replay at the same time.
 
     Raises before capturing: RuntimeError "CUDA graphs need a CUDA device" without a
     CUDA tensor in `static_inputs`; RuntimeError for a `dbo.overlap` wrapper (pass what
@@ -171,8 +173,16 @@ def _warm_up_and_capture(
     def step() -> Any:
         return default_merge(runner.run(fn, parts, device=capture.device))
 
-    for _ in range(warmup):
-        step()
+    import workspace  # workspace imports dbo: not at module load
+
+    try:
+        for _ in range(warmup):
+            step()
+    except workspace.WorkspaceLockedError as error:
+        add_note(error, "dbo.capture_graph: the workspace stays locked after a capture; "
+                 "unlocking it frees buffers that captured graphs use (their replays would "
+                 "write freed memory): capture the largest batch first")
+        raise
     unlock = _lock_workspace()
     try:
         capture.begin()

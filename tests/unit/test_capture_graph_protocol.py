@@ -289,3 +289,25 @@ def test_a_workspace_the_caller_locked_stays_locked_after_a_failure(
     with pytest.raises(ValueError, match="boom"):
         dbo.capture_graph(logging_fn([], fail_at_call=3), torch.zeros(4, 2))
     assert manager.is_locked()
+
+
+@pytest.mark.usefixtures("fresh_workspace_global")
+def test_a_larger_batch_after_a_capture_fails_in_the_warmup_saying_to_capture_it_first(
+    fake_cuda: list[str],
+) -> None:
+    """The workspace stays locked after a capture (the graph writes into its buffers): a
+    larger batch cannot grow it, and the error says not to unlock it."""
+    manager = workspace.init_workspace_manager("cpu", num_ubatches=2)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        (scratch,) = manager.get_simultaneous(((x.shape[0], 64), torch.float32))
+        scratch.fill_(1.0)
+        return scratch[:, :1] * x[:, :1]
+
+    dbo.capture_graph(fn, torch.zeros(4, 2))
+    with pytest.raises(workspace.WorkspaceLockedError) as raised:
+        dbo.capture_graph(fn, torch.zeros(8, 2))
+    note = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "frees buffers that captured graphs use" in note
+    assert "capture the largest batch first" in note
+    assert manager.is_locked() and fake_cuda.count("begin") == 1
