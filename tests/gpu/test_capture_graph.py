@@ -138,8 +138,12 @@ def test_a_failed_capture_leaves_no_stream_capturing_and_the_runner_usable(failu
         return y + 1
 
     static = torch.randn(16, HIDDEN, device="cuda")
-    with torch.no_grad(), pytest.raises(ValueError if failure == "raise" else RuntimeError):
+    own_error = "boom" if failure == "raise" else "stream is capturing"  # not the join's
+    with torch.no_grad(), pytest.raises(
+        ValueError if failure == "raise" else RuntimeError, match=own_error
+    ) as raised:
         dbo.capture_graph(forward, static)
+    assert getattr(raised.value, "ubatch_id", None) == 1
     caller = torch.cuda.current_stream()
     for stream in seen | {caller}:
         with torch.cuda.stream(stream):
