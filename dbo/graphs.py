@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.api import run_state
+from dbo.device import CudaBackend
 from dbo.errors import add_note
 from dbo.overlap import _runner_pool, overlap
 from dbo.runner import UBatchRunner
@@ -264,19 +265,22 @@ class _Capture:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.graph = torch.cuda.CUDAGraph()
-        self.stream = torch.cuda.Stream(device)
 
     @contextlib.contextmanager
     def current_stream(self) -> Iterator[None]:
-        """The side stream current here, ordered after the caller's, for the warmup and
-        the capture alike (the same streams everywhere); the caller's waits for it after."""
+        """A side stream current here, ordered after the caller's, for the warmup and the
+        capture alike (the same streams everywhere); the caller's waits for it after. It
+        is one of dbo's own (`dbo.device`), not of torch's pool, where NCCL's come from."""
+        backend = CudaBackend(self.device)
+        stream = backend.new_stream("capture")
         caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
+        stream.wait_stream(caller)
         try:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 yield
         finally:
-            caller.wait_stream(self.stream)
+            caller.wait_stream(stream)
+            backend.release_stream(stream)
 
     def begin(self) -> None:
         # As torch.cuda.graph does: the warmup's kernels are done and their blocks freed.

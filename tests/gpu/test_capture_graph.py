@@ -161,6 +161,29 @@ def test_a_failed_capture_leaves_no_stream_capturing_and_the_runner_usable(failu
         assert torch.equal(graph(x), x * 3)
 
 
+def test_the_capture_stream_is_one_of_dbos_own_streams_and_goes_back_after() -> None:
+    """Not one of torch's pool, which NCCL's internal streams come from."""
+    from dbo._context import current_context
+    from dbo.device import _own_streams
+
+    if torch.version.hip:
+        pytest.skip("HIP streams come from torch's pool")
+    seen: set[int] = set()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        context = current_context()
+        assert context is not None and context.run is not None
+        seen.add(int(context.run.caller_stream.cuda_stream))  # the capture's side stream
+        dbo.yield_()
+        return x * 2
+
+    with torch.no_grad():
+        dbo.capture_graph(forward, torch.randn(8, HIDDEN, device="cuda"))
+    assert len(seen) == 1 and seen <= _own_streams._made
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert seen <= {int(stream.cuda_stream) for stream in _own_streams._free[device]}
+
+
 @pytest.mark.timeout(300)  # a cold torchrun start with CUDA and 3 NCCL communicators
 def test_an_moe_layer_on_the_fixed_shape_path_replays_like_eager_dbo() -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
