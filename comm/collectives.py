@@ -18,8 +18,8 @@ be checked locally; `comm.moe.dispatch` exchanges counts so that they always do.
 
 A call on a side stream (`with torch.cuda.stream(side):`) follows `side`'s work and
 `side` follows it, as in torch.distributed. A collective an aborted ubatch never waited
-is joined into its streams on CUDA (the caller's stream waits for it); gloo's are left
-to `comm._abandoned`.
+is joined into its streams on NCCL (the caller's stream waits for it); gloo's, whose
+wait blocks the host (on CUDA tensors too), are left to `comm._abandoned`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from comm._checks import (
     require_tensor,
     require_world_chunks,
     resolve_group_and_facts,
+    runs_on_nccl,
 )
 from comm.groups import group_registry
 from dbo import tracing
@@ -76,15 +77,18 @@ class CollectiveWork:
     """
 
     __slots__ = (
-        "_work", "_tensors", "_yields", "_waited", "_done", "_error", "_exit_cell", "_name"
+        "_work", "_tensors", "_yields", "_nccl", "_waited", "_done", "_error", "_exit_cell",
+        "_name",
     )
 
     def __init__(
-        self, work: Any, tensors: Sequence[torch.Tensor], yields: bool, name: str = "collective"
+        self, work: Any, tensors: Sequence[torch.Tensor], yields: bool,
+        name: str = "collective", nccl: bool = False,
     ) -> None:
         self._work = work
         self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
         self._yields = yields
+        self._nccl = nccl  # NCCL runs it: its wait is a stream wait, not a host one
         self._waited = False  # a wait() began: later ones never yield
         self._done = False
         self._error: BaseException | str | None = None
@@ -134,7 +138,7 @@ class CollectiveWork:
             try:
                 dbo.yield_()
             except BaseException as error:
-                _leave_in_flight(self._work, self._tensors)  # aborted
+                _leave_in_flight(self._work, self._nccl)  # aborted
                 self._fail(describe(error))
                 raise
         try:
@@ -165,8 +169,8 @@ class CollectiveWork:
         # Dropped before any wait finished: the collective may still run, so the
         # process must not end before it does (comm._abandoned).
         try:
-            if not self._done and self._error is None:
-                _abandon(self._work, self._tensors)  # no stream to join it into here
+            if not self._done and self._error is None and not self._nccl:
+                _abandoned.abandon(self._work)  # no stream to join it into here
         except Exception:  # noqa: BLE001, S110 - at interpreter exit anything may be gone
             pass
 
@@ -180,20 +184,19 @@ class CollectiveWork:
         return f"CollectiveWork({state}, yields={self._yields})"
 
 
-def _abandon(work: Any, tensors: Sequence[torch.Tensor]) -> None:
-    """Hand `work`, never waited, to `comm._abandoned`: host-backend collectives only."""
-    if not any(tensor.is_cuda for tensor in tensors):
-        _abandoned.abandon(work)
+def _on_nccl(group: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    return any(runs_on_nccl(group, tensor) for tensor in tensors)
 
 
-def _leave_in_flight(work: Any, tensors: Sequence[torch.Tensor]) -> None:
-    """An aborted ubatch leaves `work` unwaited. CUDA: the current stream waits for it
-    (`Work.wait`, no host wait), and so the caller's stream. gloo: `_abandon`."""
-    if any(tensor.is_cuda for tensor in tensors):
+def _leave_in_flight(work: Any, nccl: bool) -> None:
+    """An aborted ubatch leaves `work` unwaited. NCCL: the current stream waits for it
+    (`Work.wait`, no host wait), and so the caller's stream. Others (gloo's wait blocks
+    the host, on CUDA tensors too): `comm._abandoned`."""
+    if nccl:
         with contextlib.suppress(Exception):  # a failed collective is over: nothing to join
             work.wait()
     else:
-        _abandon(work, tensors)
+        _abandoned.abandon(work)
 
 
 class _ExitCell:
@@ -217,7 +220,7 @@ class _ExitCell:
         ubatch's streams on CUDA (`_leave_in_flight`); its waits then raise."""
         handle = self.handle
         if handle is not None:
-            _leave_in_flight(handle._work, handle._tensors)
+            _leave_in_flight(handle._work, handle._nccl)
             handle._fail("its ubatch failed before waiting it")
 
 
@@ -254,7 +257,8 @@ def _run(
     stream = dbo.current_stream()  # None outside an overlap
     if stream is None:
         if async_op:
-            return CollectiveWork(launch(group, *args, True), tensors, yields=False, name=name)
+            work = launch(group, *args, True)
+            return CollectiveWork(work, tensors, False, name, _on_nccl(group, tensors))
         _blocking(launch, name, tracing.CALLER, group, *args, False)  # the plain blocking op
         return None
     ubatch_id = dbo.current_ubatch_id()
@@ -271,7 +275,7 @@ def _run(
                 if tensor.is_cuda:
                     tensor.record_stream(comm_stream)
         if async_op:
-            handle = CollectiveWork(work, tensors, yields=True, name=name)
+            handle = CollectiveWork(work, tensors, True, name, _on_nccl(group, tensors))
             # Waited at the ubatch's end if never waited, so the overlap's end covers it.
             cell = _ExitCell(handle)
             handle._exit_cell = weakref.ref(cell)
@@ -280,7 +284,7 @@ def _run(
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
         except BaseException:
-            _leave_in_flight(work, tensors)  # aborted, still on the comm stream
+            _leave_in_flight(work, _on_nccl(group, tensors))  # aborted, on the comm stream
             raise
         _blocking(work.wait, name, ubatch_id)
         return None

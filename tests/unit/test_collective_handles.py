@@ -291,6 +291,26 @@ def _own_abandoned_list(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_abandoned, "_works", [])
 
 
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_an_unwaited_handle_on_cuda_tensors_is_left_to_settle_unless_nccl_runs_it(
+    backend: str,
+) -> None:
+    """gloo runs a collective on host threads, on CUDA tensors too: a handle dropped
+    unwaited goes to `comm._abandoned`. NCCL's teardown handles its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from comm import _abandoned
+
+    with FakeTensorMode():
+        x = torch.empty(2, device="cuda:0")
+    group = SimpleNamespace(name=lambda: backend)
+    work = _FakeWork(completed=False)
+    handle = comm.collectives._run("all_reduce", lambda *args: work, (x,), (x,), group, True)
+    del handle
+    gc.collect()
+    assert any(kept is work for kept in _abandoned._works) is (backend == "gloo")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("later", ["an explicit yield", "the next collective"])
 def test_an_async_handle_dropped_by_an_abort_at_a_later_yield_is_settled(

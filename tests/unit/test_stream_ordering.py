@@ -300,11 +300,14 @@ def test_a_bare_cuda_device_names_the_calling_threads_device_in_the_error(
 class _Group:
     """Enough of a process group for `comm.collectives._run`."""
 
-    def __init__(self, size: int) -> None:
-        self.group_name, self._size = f"fake{size}", size
+    def __init__(self, size: int, backend: str = "gloo") -> None:
+        self.group_name, self._size, self._backend = f"fake{size}", size, backend
 
     def size(self) -> int:
         return self._size
+
+    def name(self) -> str:
+        return self._backend
 
 
 class _Work:
@@ -363,25 +366,31 @@ def test_a_group_of_one_rank_does_not_warn(world_of_one: None) -> None:
 
 
 @pytest.mark.parametrize("async_op", [False, True])
-def test_a_cuda_collective_an_aborted_ubatch_never_waited_is_joined_into_its_streams(
-    async_op: bool,
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_cuda_collective_an_aborted_ubatch_never_waited_is_joined_on_nccl_only(
+    monkeypatch: pytest.MonkeyPatch, async_op: bool, backend: str
 ) -> None:
-    """Ubatch 0 launches a collective, ubatch 1 fails meanwhile: ubatch 0's stream waits
-    for the collective (`Work.wait`, no host wait) before the caller's stream joins
-    ubatch 0's, so the caller never reuses buffers it still uses."""
+    """Ubatch 0 launches a collective on CUDA tensors, ubatch 1 fails meanwhile. NCCL:
+    ubatch 0's stream waits for it (`Work.wait`, no host wait) before the caller's
+    stream joins ubatch 0's. gloo, whose wait would block the host: left to settle."""
     works: list[_Work] = []
+    abandoned: list[Any] = []
+    monkeypatch.setattr(collectives._abandoned, "abandon", abandoned.append)
     x = _fake_cuda_tensor(0)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         if dbo.current_ubatch_id() == 1:
             raise ValueError("ubatch 1 fails")
-        collectives._run("all_reduce", _launch_into(works), (x,), (x,), _Group(1), async_op)
+        group = _Group(1, backend)
+        collectives._run("all_reduce", _launch_into(works), (x,), (x,), group, async_op)
         dbo.yield_()
         return t
 
     with pytest.raises(ValueError, match="ubatch 1 fails"):
         dbo.overlap(fn)(torch.zeros(2))
-    assert [work.waits for work in works] == [1]
+    nccl = backend == "nccl"
+    assert [work.waits for work in works] == [1 if nccl else 0]
+    assert abandoned == ([] if nccl else works)
 
 
 def test_a_host_collective_an_aborted_ubatch_never_waited_is_left_to_settle(
