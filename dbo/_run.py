@@ -223,11 +223,11 @@ class OverlapRun:
         """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran.
 
         `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook of
-        another ubatch runs on its owner's comm stream, ordered after the owner's current
-        stream, and the owner's compute stream then waits for it: neither ubatch's queue
-        holds the other's work. A hook of the running ubatch, or of one that has ended
-        (after its join events: the caller joins the owner's streams already), runs on
-        the running thread's stream.
+        another ubatch runs on its owner's comm stream, ordered after the owner's compute
+        or comm stream (not a side stream it parked on: unsupported), and the owner's
+        compute stream then waits for it: neither ubatch's queue holds the other's work.
+        A hook of the running ubatch, or of one that has ended (after its join events:
+        the caller joins the owner's streams already), runs on the running thread's stream.
         """
         pending = self._hooks_for[ubatch_id]
         if not pending:

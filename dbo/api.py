@@ -158,6 +158,8 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
     the overlap returns; an exception in a hook fails the overlap. Its kernels go to this
     ubatch's comm stream (ordered after this ubatch's work, not the running one's), and
     this ubatch's compute stream waits for them; a hook must not switch streams.
+    Unsupported: a hook that runs while this ubatch yields inside `with
+    torch.cuda.stream(side):` is ordered after its compute stream, not `side`.
     Outside an overlap the hook runs at once (dropping it would lose the receive).
     """
     if not callable(hook):
