@@ -356,13 +356,14 @@ class UBatchRunner:
     ) -> tuple[DeviceBackend, list[UBatchStreams], StreamLease]:
         if self.device is not None:
             device = self.device
-        elif device is None:
-            device = _first_tensor_device(inputs)
+        leaves = _input_leaves(inputs) if device is None or device.type == "cuda" else []
+        if device is None:
+            device = _first_tensor_device(leaves)
         if device.type == "cuda":
             bare = device.index is None
             if bare:
                 device = torch.device("cuda", torch.cuda.current_device())
-            _check_input_devices(inputs, device, bare)
+            _check_input_devices(leaves, device, bare)
         cached = self._streams.get(device)
         if cached is None:
             backend = backend_for(device)
@@ -516,10 +517,22 @@ def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseExcepti
     return (own or failures)[0] if failures else None
 
 
-def _check_input_devices(inputs: _Inputs, device: torch.device, bare: bool) -> None:
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _input_leaves(inputs: _Inputs) -> list[Any]:
+    """The leaves of `inputs`, in order; no tree walk for flat tensor and scalar arguments
+    (the usual `fn(x)`: a walk costs more than the rest of the check)."""
+    flat = [arg for args, kwargs in inputs for arg in (*args, *kwargs.values())]
+    if all(type(arg) is torch.Tensor or type(arg) in _SCALARS for arg in flat):
+        return flat
+    return tree_leaves(inputs)
+
+
+def _check_input_devices(leaves: list[Any], device: torch.device, bare: bool) -> None:
     """ValueError for a CUDA input on another device than the streams: its kernels would
     run on that device's current stream, unordered with the ubatch streams."""
-    for leaf in tree_leaves(inputs):
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
             named = " ('cuda' names the calling thread's current device)" if bare else ""
             raise ValueError(
@@ -529,10 +542,10 @@ def _check_input_devices(inputs: _Inputs, device: torch.device, bare: bool) -> N
             )
 
 
-def _first_tensor_device(inputs: _Inputs) -> torch.device:
+def _first_tensor_device(leaves: list[Any]) -> torch.device:
     """The device of the first CUDA tensor in the inputs, else CPU (a CPU scalar placed
     before the CUDA batch must not select the CPU backend)."""
-    for leaf in tree_leaves(inputs):
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             return leaf.device
     return torch.device("cpu")

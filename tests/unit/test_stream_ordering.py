@@ -294,6 +294,22 @@ def test_a_bare_cuda_device_names_the_calling_threads_device_in_the_error(
         runner.run(lambda t: t, [((x,), {}), ((x,), {})])
 
 
+def test_the_device_check_walks_no_tree_for_flat_tensor_and_scalar_arguments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same leaves, in the same order, as `tree_leaves`; a walk only for nested inputs."""
+    x, y = torch.zeros(1), torch.ones(1)
+    flat = [((x, 3, None), {"scale": y}), ((y, 4, None), {"scale": x})]
+    nested = [(([x], 3), {}), (([y], 4), {})]
+    tree_leaves, walks = runner_module.tree_leaves, []
+    monkeypatch.setattr(runner_module, "tree_leaves", lambda t: walks.append(t) or tree_leaves(t))
+    for inputs, walked in ((flat, []), (nested, [nested])):
+        walks.clear()
+        leaves = runner_module._input_leaves(inputs)
+        assert walks == walked
+        assert list(map(id, leaves)) == list(map(id, tree_leaves(inputs)))
+
+
 # ------------------------------------------------------------ groups without duplicates
 
 
