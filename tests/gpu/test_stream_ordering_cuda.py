@@ -1,11 +1,16 @@
 """Stream ordering on CUDA: side streams, recv hooks on their owner's comm stream, streams
-distinct across live runners, the inputs' device. Producers run late (`torch.cuda._sleep`
-first) and outputs start as NaN, so a missing wait reads the wrong data instead of
-passing by luck of timing. Skipped without CUDA."""
+distinct across live runners and usable on a device the runtime has not used yet, the
+inputs' device. Producers run late (`torch.cuda._sleep` first) and outputs start as NaN,
+so a missing wait reads the wrong data instead of passing by luck of timing. Skipped
+without CUDA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,3 +144,23 @@ def test_a_thread_that_never_set_its_device_gets_an_error_not_streams_on_cuda0()
     thread.join(timeout=60)
     assert not thread.is_alive()
     assert errors and "input is on cuda:1 but the ubatch streams are on cuda:0" in errors[0]
+
+
+def test_a_stream_made_before_the_runtime_used_its_device_runs_kernels() -> None:
+    """In a fresh process, dbo's first stream creates the device's primary context: it
+    stays retained, so the stream (and the context torch then uses) stays valid."""
+    code = (
+        "import torch\n"
+        "from dbo.device import _own_streams\n"
+        "stream = _own_streams.take(torch.device('cuda', 0))\n"
+        "with torch.cuda.stream(stream):\n"
+        "    x = torch.full((1024,), 2.0, device='cuda') * 3\n"
+        "stream.synchronize()\n"
+        "assert x.sum().item() == 6 * 1024\n"
+        "print('stream ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert completed.returncode == 0 and "stream ok" in completed.stdout, completed.stderr[-4000:]
