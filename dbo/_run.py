@@ -120,10 +120,8 @@ class OverlapRun:
                         with contextlib.suppress(Exception):  # the ubatch's error is reported
                             on_failure()
             with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
-                self.join_events[ubatch_id] = [
-                    self.backend.record_event(streams.compute),
-                    self.backend.record_event(streams.comm),
-                ]
+                record = self.backend.record_event
+                self.join_events[ubatch_id] = [record(streams.compute), record(streams.comm)]
         finally:
             self.backend.set_current_stream(previous_stream)
 

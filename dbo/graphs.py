@@ -22,15 +22,13 @@ from dbo.runner import UBatchRunner
 from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
 
 CAPTURE_ERROR_MODE = "global"
-"""The capture's `cudaStreamCaptureMode`. A mode only says which threads are barred from
-capture-unsafe calls (a cudaMalloc, a synchronizing copy, an event query): a kernel that
-any thread launches onto a stream that joined the capture is captured in every mode.
-"global" is the one mode that also bars the ubatch threads, which launch all of `fn`'s
-work, so an unsafe call there fails the capture instead of being left out of the graph
-("thread_local" would watch only this thread, which just waits for the baton). torch's
-allocator still grows the graph's pool from a ubatch thread: it relaxes the mode around
-its cudaMalloc when the thread's current stream is capturing. The price is that no other
-thread of the process may make such calls while a capture runs."""
+"""The capture's `cudaStreamCaptureMode`. A kernel any thread launches onto a stream that
+joined the capture is captured in every mode; a mode only says which threads are barred
+from capture-unsafe calls (a cudaMalloc, a synchronizing copy). "global" also bars the
+ubatch threads, which launch `fn`'s work, so an unsafe call there fails the capture
+("thread_local" would watch only this thread, which waits for the baton); torch's
+allocator relaxes it around its own cudaMalloc. No other thread may make such calls
+meanwhile."""
 
 _IN_CAPTURE = "dbo.capture_graph"
 """The `dbo.run_state()` key that marks the runs of `capture_graph`, warmup included."""

@@ -42,11 +42,10 @@ _left_running_lock = threading.Lock()
 
 
 def wait_at_exit(still_running: Callable[[float], object]) -> None:
-    """Have the exit wait (atexit: after threading joins the non-daemon threads, before
-    finalization kills the daemon ones: SIGABRT inside a torch op) wait for `still_running(s)`,
-    which waits up to s seconds and is truthy while it runs. Past `EXIT_WAIT_S` in all, the
-    process says so and ends unfinalized: by SIGINT after an uncaught KeyboardInterrupt (as
-    CPython would), else with status 1, whatever status the program was exiting with."""
+    """Have the exit (atexit: after the non-daemon threads are joined, before finalization
+    kills the daemon ones in a torch op: SIGABRT) wait for `still_running(s)`, which waits
+    up to s seconds and is truthy while it runs. Past `EXIT_WAIT_S` in all, the process
+    says so and ends unfinalized: by SIGINT after an uncaught KeyboardInterrupt, else 1."""
     with _left_running_lock:
         kept = [it for it in _left_running if it is not still_running and it(0)]
         _left_running[:] = [*kept, still_running]
@@ -85,11 +84,8 @@ def reset_after_fork() -> None:
 
 def is_ubatch_input(item: Any) -> bool:
     """Whether `item` is one ubatch's `(args_tuple, kwargs_dict)` pair."""
-    return (
-        isinstance(item, tuple)
-        and len(item) == 2
-        and isinstance(item[0], tuple)
-        and isinstance(item[1], dict)
+    return isinstance(item, tuple) and len(item) == 2 and (
+        isinstance(item[0], tuple) and isinstance(item[1], dict)
     )
 
 
@@ -471,8 +467,8 @@ class UBatchRunner:
 
     @staticmethod
     def _join_streams(run: OverlapRun, best_effort: bool) -> None:
-        """Order the caller's stream after every ubatch's compute and comm streams;
-        `best_effort` after a failure (a failed capture's streams raise on every use)."""
+        """Order the caller's stream after every ubatch's streams; `best_effort` after a
+        failure (a failed capture's streams raise on every use)."""
         for events in run.join_events:
             for event in events:
                 with contextlib.suppress(Exception) if best_effort else contextlib.nullcontext():
