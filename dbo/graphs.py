@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -245,9 +246,9 @@ def _lock_workspace() -> Callable[[], None]:
     """Lock the process-wide workspace (if any, and unlocked) before the capture, so that
     the graph holds final addresses (a slot realized later would free a buffer the graph
     writes) and growth fails the capture; returns what undoes it."""
-    import workspace  # workspace imports dbo: not at module load
-
-    if not workspace.is_workspace_manager_initialized():
+    # No import: workspace builds on dbo, and a workspace exists only once imported.
+    workspace = sys.modules.get("workspace")
+    if workspace is None or not workspace.is_workspace_manager_initialized():
         return lambda: None
     manager = workspace.current_workspace_manager()
     if manager.is_locked():

@@ -379,7 +379,8 @@ class WorkspaceManager:
                 f"workspace is locked, but the request from '{caller}' needs "
                 f"{_format_bytes(required_bytes)} per slot and the locked capacity is "
                 f"{_format_bytes(self._capacity_bytes)}; warm up with the largest batch before "
-                "lock_workspace(), or call unlock_workspace() to let it grow"
+                "lock_workspace(), or call unlock_workspace() to let it grow (not while a "
+                "captured CUDA graph that uses the workspace may replay: growing frees its buffers)"
             )
         old_capacity = self._capacity_bytes
         self._realize(slot, required_bytes)
