@@ -133,9 +133,9 @@ def _moe_path_rows(result: dict[str, Any]) -> list[Row]:
     reads = {path: by_path[path][sizes[0]]["host_reads_per_step"] for path in by_path}
     return [(
         "MoE example at " + " / ".join(map(str, sizes)) + " tokens per rank: fixed-shape vs "
-        "dynamic path, whole batch | DBO",
+        "dynamic path, whole batch; DBO",
         " / ".join(f"{by_path['fixed'][t]['whole_ms'] / by_path['dynamic'][t]['whole_ms']:.2f}"
-                   for t in sizes) + " | " +
+                   for t in sizes) + "; " +
         " / ".join(f"{by_path['fixed'][t]['dbo_ms'] / by_path['dynamic'][t]['dbo_ms']:.2f}"
                    for t in sizes),
         f"step time over the dynamic path's; host reads per whole-batch step {reads['fixed']} "

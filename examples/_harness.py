@@ -47,7 +47,9 @@ def add_common_args(parser: argparse.ArgumentParser, *, default_out: str) -> Non
         "--spawn", type=int, metavar="N",
         help="start N gloo ranks on this machine (a free loopback port), without torchrun",
     )
-    parser.add_argument("--steps", type=int, default=15, help="timed steps per mode (default 15)")
+    parser.add_argument(
+        "--steps", type=int, default=15, help="timed steps per mode (default %(default)s)"
+    )
     parser.add_argument(
         "--timeout-s", type=float, default=120.0,
         help="seconds a collective waits for its peers, and --spawn for the ranks (default 120)",
@@ -149,7 +151,7 @@ def pin_cpu_rank(pin: bool = True) -> list[int] | None:
 
 
 # ---------------------------------------------------------------------- comparing the modes
-def _step_ms(fn: Callable[[], Any], device: torch.device) -> float:
+def step_ms(fn: Callable[[], Any], device: torch.device) -> float:
     dist.barrier()  # every rank starts the step together
     start = time.perf_counter()
     fn()
@@ -162,12 +164,12 @@ def _blocked_ms(fn: Callable[[], Any], device: torch.device) -> tuple[float, dbo
     """Host time per step blocked in collective waits over TRACED_STEPS steps, and the trace."""
     with dbo.trace() as timeline:
         for _ in range(TRACED_STEPS):
-            _step_ms(fn, device)
+            step_ms(fn, device)
     blocked_s = sum(total.blocked_s for total in timeline.totals().values())
     return blocked_s * 1e3 / TRACED_STEPS, timeline
 
 
-def _gather(values: list[float], device: torch.device) -> torch.Tensor:
+def gather(values: list[float], device: torch.device) -> torch.Tensor:
     """`values` of every rank, [world_size, len(values)] on the CPU."""
     mine = torch.tensor(values, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -211,18 +213,18 @@ def compare(
         times: dict[str, list[float]] = {name: [] for name in modes}
         for _ in range(args.steps):  # interleaved, so all modes see the same conditions
             for name, fn in modes.items():
-                times[name].append(_step_ms(fn, device))
+                times[name].append(step_ms(fn, device))
         blocked, timelines = {}, {}
         for name, fn in modes.items():
             blocked[name], timelines[name] = _blocked_ms(fn, device)
         with dbo.trace() as picture:  # one step: the alternation is readable
-            _step_ms(overlapped, device)
+            step_ms(overlapped, device)
     files, plot_error = _write_traces(args.out, rank, timelines["dbo"], picture)
     # Per step and mode the slowest rank; the blocked time of the rank blocked longest.
-    step_ms = _gather([t for name in modes for t in times[name]], device).max(dim=0).values
-    per_mode = dict(zip(modes, step_ms.view(len(modes), args.steps).tolist(), strict=True))
-    checks = _gather([float(bitwise), float(close), max_diff], device)
-    blocked_max = _gather([blocked[name] for name in modes], device).max(dim=0).values.tolist()
+    slowest_ms = gather([t for name in modes for t in times[name]], device).max(dim=0).values
+    per_mode = dict(zip(modes, slowest_ms.view(len(modes), args.steps).tolist(), strict=True))
+    checks = gather([float(bitwise), float(close), max_diff], device)
+    blocked_max = gather([blocked[name] for name in modes], device).max(dim=0).values.tolist()
     summary = _summarize(per_mode, blocked_max, checks, args, device, facts)
     if rank == 0:
         _report(title, summary, per_mode, files, plot_error, args)

@@ -132,5 +132,5 @@ def test_the_moe_paths_row_gives_fixed_over_dynamic_per_size_and_the_host_reads(
     ]
     ((what, ratios, meaning),) = run_all._moe_path_rows({"rows": rows})
     assert "16 / 64 tokens per rank" in what
-    assert ratios == "0.50 / 1.50 | 0.75 / 0.50"
+    assert ratios == "0.50 / 1.50; 0.75 / 0.50"  # no "|": it would split the table cell
     assert "host reads per whole-batch step 0 (fixed) vs 4 (dynamic)" in meaning
