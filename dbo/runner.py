@@ -26,7 +26,6 @@ from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
 from dbo.device import DeviceBackend, StreamLease, backend_for, held_streams
-from dbo.device import distinct_streams as _distinct_streams  # noqa: F401 - tests
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
 
 _Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]

@@ -12,7 +12,7 @@ import torch
 
 import dbo
 from dbo import runner as runner_module
-from dbo.device import CpuBackend, CpuStream
+from dbo.device import CpuBackend, CpuStream, distinct_streams
 
 # ----------------------------------------------------------------- outside an overlap
 
@@ -142,10 +142,10 @@ def test_ubatch_streams_are_distinct_queues_and_not_the_callers() -> None:
             return stream.name
 
     backend = SmallPool()
-    streams = runner_module._distinct_streams(backend, 4)
+    streams = distinct_streams(backend, 4)
     assert sorted(s.name for s in streams) == ["queue1", "queue2", "queue3", "queue4"]
     with pytest.raises(RuntimeError, match="distinct streams"):
-        runner_module._distinct_streams(SmallPool(), 5)
+        distinct_streams(SmallPool(), 5)
 
 
 @pytest.mark.gpu
