@@ -117,6 +117,7 @@ class CpuBackend:
     def hand_over(self, outputs: Any, stream: CpuStream) -> None:
         """Nothing to do: CPU memory is free once the host is done with it."""
 
+
 class CudaBackend:
     """`torch.cuda` streams and events on one device; its streams are dbo's own
     (`_OwnStreams`), never one of torch's pool."""
@@ -168,6 +169,7 @@ class CudaBackend:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
                 leaf.record_stream(stream)
+
 
 class _OwnStreams:
     """The CUDA streams dbo makes, and those no runner holds now, per device.
