@@ -192,12 +192,7 @@ class _ExchangeRows(torch.autograd.Function):
 
 
 def _check_num_experts(num_experts: Any, world_size: int) -> int:
-    try:
-        value = operator.index(num_experts)
-    except TypeError:
-        raise TypeError(f"num_experts must be an int, got {num_experts!r}") from None
-    if isinstance(num_experts, bool) or value < 1:
-        raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+    value = check_positive_int("num_experts", num_experts)
     if value % world_size != 0:
         raise ValueError(
             f"num_experts={value} must be divisible by the group size {world_size} (experts "
@@ -206,4 +201,12 @@ def _check_num_experts(num_experts: Any, world_size: int) -> int:
     return value
 
 
-# Last: both build on the names above.
+def check_positive_int(name: str, value: Any, meaning: str = "") -> int:
+    """`value` as an int >= 1: TypeError for a non-integer, ValueError for a bool or < 1."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if isinstance(value, bool) or number < 1:
+        raise ValueError(f"{name} must be an int >= 1{meaning}, got {value!r}")
+    return number

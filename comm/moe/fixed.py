@@ -14,7 +14,6 @@ path runs ahead of the GPU and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from comm._checks import require_same_device, require_tensor, resolve_group
 from comm.moe._exchange import (
     check_dispatch,
+    check_positive_int,
     check_weights,
     exchange_counts,
     exchange_rows,
@@ -166,15 +166,7 @@ def combine_fixed(
 
 
 def check_capacity(capacity: Any) -> int:
-    try:
-        value = operator.index(capacity)
-    except TypeError:
-        raise TypeError(f"capacity must be an int, got {capacity!r}") from None
-    if isinstance(capacity, bool) or value < 1:
-        raise ValueError(
-            f"capacity must be an int >= 1 (rows per source rank and expert), got {capacity!r}"
-        )
-    return value
+    return check_positive_int("capacity", capacity, " (rows per source rank and expert)")
 
 
 def _check_combine_fixed(
