@@ -43,6 +43,20 @@ def check_dispatch(
     return x, topk_ids, num_experts
 
 
+def sort_by_expert(
+    flat_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(valid, keys, order, counts)` of the [T * K] ids: `keys` the ids with the invalid
+    ones (outside [0, num_experts)) as num_experts, `order` the stable argsort of `keys`
+    (pairs by expert, (token, k) order within one, invalid last), `counts` [E + 1] the
+    pairs per key; scatter_add_ rather than bincount, which synchronizes on CUDA."""
+    valid = (flat_ids >= 0) & (flat_ids < num_experts)
+    keys = torch.where(valid, flat_ids, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    return valid, keys, torch.argsort(keys, stable=True), counts
+
+
 def exchange_counts(
     counts_table: torch.Tensor, bad_ids: torch.Tensor, group: dist.ProcessGroup,
     async_op: bool = False,

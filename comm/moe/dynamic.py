@@ -22,6 +22,7 @@ from comm.moe._exchange import (
     exchange_rows,
     raise_if_bad_ids,
     run_has_order_token,
+    sort_by_expert,
     weighted_sum,
 )
 from dbo.graphs import refuse_under_capture
@@ -84,13 +85,10 @@ def dispatch(
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    bad_ids = ((flat_ids < 0) | (flat_ids >= num_experts)).any()
-    # Clamped only so that the count runs (bad ids raise below, on every rank);
-    # scatter_add_ rather than bincount, which synchronizes on CUDA.
-    clamped_ids = flat_ids.clamp(0, num_experts - 1)
-    counts_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
-    counts_per_expert.scatter_add_(0, clamped_ids, torch.ones_like(clamped_ids))  # [E]
-    sort_order = torch.argsort(flat_ids, stable=True)
+    # Bad ids are left out of the counts, and raise below, on every rank.
+    valid, _, sort_order, counts = sort_by_expert(flat_ids, num_experts)
+    bad_ids = ~valid.all()
+    counts_per_expert = counts[:num_experts]
     send_rows = x.index_select(0, torch.div(sort_order, topk, rounding_mode="floor"))
 
     # Rank r gets counts_per_expert[r * E_local:(r + 1) * E_local] and every rank's flag.

@@ -29,6 +29,7 @@ from comm.moe._exchange import (
     exchange_rows,
     raise_if_bad_ids,
     run_has_order_token,
+    sort_by_expert,
     weighted_sum,
 )
 
@@ -94,13 +95,8 @@ def dispatch_fixed(
     num_tokens, topk = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     num_local_experts = num_experts // world_size
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
-    valid = (flat_ids >= 0) & (flat_ids < num_experts)
-    # A pair's position among the pairs of its expert, in (token, k) order; invalid
-    # pairs sort last, under the extra key num_experts.
-    keys = torch.where(valid, flat_ids, num_experts)
-    order = torch.argsort(keys, stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    valid, keys, order, counts = sort_by_expert(flat_ids, num_experts)
+    # A pair's position among the pairs of its expert, in (token, k) order.
     starts = torch.cumsum(counts, 0) - counts
     positions = torch.empty_like(keys).scatter_(
         0, order, torch.arange(keys.numel(), device=x.device) - starts[keys[order]]
