@@ -83,8 +83,9 @@ def reset_after_fork() -> None:
 
 def is_ubatch_input(item: Any) -> bool:
     """Whether `item` is one ubatch's `(args_tuple, kwargs_dict)` pair."""
-    return isinstance(item, tuple) and len(item) == 2 and (
-        isinstance(item[0], tuple) and isinstance(item[1], dict)
+    return (
+        isinstance(item, tuple) and len(item) == 2
+        and isinstance(item[0], tuple) and isinstance(item[1], dict)
     )
 
 
