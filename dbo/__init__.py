@@ -19,6 +19,7 @@ Every call used inside `fn` is a cheap no-op outside an overlap (ubatch id 0, no
 enabled, one ubatch), so model code written for DBO also runs without it.
 """
 
+from dbo import hf
 from dbo.api import (
     at_ubatch_exit,
     current_stream,
@@ -41,6 +42,7 @@ from dbo.hooks import yield_between
 from dbo.overlap import close_default_runners, overlap
 from dbo.runner import RunnerState, UBatchRunner
 from dbo.split import default_merge, default_split, merge_parts
+from dbo.stateful import register_split_rule
 from dbo.token_split import TokenSplit, balanced_token_split
 from dbo.tracing import Trace, trace
 
@@ -48,8 +50,9 @@ __all__ = [
     "OverlapGraph", "OverlapTimeoutError", "RunnerState", "Trace", "TokenSplit",
     "UBatchAbortedError", "UBatchRunner", "at_ubatch_exit", "balanced_token_split",
     "capture_graph", "close_default_runners", "current_stream", "current_ubatch_id",
-    "default_merge", "default_split", "enabled", "maybe_run_recv_hook", "merge_parts",
-    "num_ubatches", "on_comm_stream", "overlap", "register_recv_hook", "run_state",
+    "default_merge", "default_split", "enabled", "hf", "maybe_run_recv_hook", "merge_parts",
+    "num_ubatches", "on_comm_stream", "overlap", "register_recv_hook", "register_split_rule",
+    "run_state",
     "switch_to_comm", "switch_to_compute", "trace", "yield_", "yield_and_switch_to_comm",
     "yield_and_switch_to_compute", "yield_between",
 ]

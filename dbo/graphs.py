@@ -239,7 +239,7 @@ def _split(static_inputs: tuple[Any, ...], num_ubatches: int) -> UBatchInputs:
             f"num_ubatches={num_ubatches} parts, but they hold {held}; capture a batch of "
             "at least num_ubatches rows (pad a decode batch to a captured size)"
         )
-    return split_parts(static_inputs, {}, num_ubatches)
+    return split_parts(static_inputs, {}, num_ubatches, size)
 
 
 def _lock_workspace() -> Callable[[], None]:

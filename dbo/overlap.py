@@ -20,7 +20,14 @@ from dbo import runner as runner_module
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.runner import RunnerState, UBatchRunner, check_timeout
-from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
+from dbo.split import (
+    UBatchInputs,
+    batch_size_of,
+    check_objects,
+    default_merge,
+    split_parts,
+    splittable_leaves,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -119,6 +126,7 @@ def overlap(
     fn: F, *, num_ubatches: int = 2, split: SplitFn | None = None, merge: MergeFn | None = None,
     no_split: NoSplit = (), min_batch_size: int | None = None, timeout_s: float | None = None,
     device: torch.device | str | int | None = None, decision_group: Any = None,
+    overlap_if: Callable[..., bool] | None = None,
 ) -> F: ...
 
 
@@ -127,7 +135,7 @@ def overlap(
     fn: None = None, *, num_ubatches: int = 2, split: SplitFn | None = None,
     merge: MergeFn | None = None, no_split: NoSplit = (), min_batch_size: int | None = None,
     timeout_s: float | None = None, device: torch.device | str | int | None = None,
-    decision_group: Any = None,
+    decision_group: Any = None, overlap_if: Callable[..., bool] | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -136,6 +144,7 @@ def overlap(
     split: SplitFn | None = None, merge: MergeFn | None = None, no_split: NoSplit = (),
     min_batch_size: int | None = None, timeout_s: float | None = None,
     device: torch.device | str | int | None = None, decision_group: Any = None,
+    overlap_if: Callable[..., bool] | None = None,
 ) -> Any:
     """Wrap `fn` so that each call splits its batch into ubatches and overlaps them.
 
@@ -169,6 +178,9 @@ def overlap(
             different batch sizes (or a mode on one rank only) and `fn` communicates, or
             their collectives mismatch and hang; a rank whose input cannot be sized makes
             every rank raise. Build the wrapper after `comm.init_distributed()`.
+        overlap_if: `overlap_if(*args, **kwargs) -> bool`, called with the call's arguments
+            once the batch passes the sizes above: False runs inline (a token count, a
+            prefill or decode threshold). With `decision_group` it is this rank's vote.
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
@@ -176,7 +188,7 @@ def overlap(
         raise (ValueError if type(min_batch_size) is int else TypeError)(
             f"min_batch_size must be >= 1 (an int, or None: no minimum), got {min_batch_size!r}"
         )
-    for name, value in (("split", split), ("merge", merge)):
+    for name, value in (("split", split), ("merge", merge), ("overlap_if", overlap_if)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable, got {value!r}")
     no_split = (no_split,) if isinstance(no_split, (str, int)) else tuple(no_split)
@@ -185,7 +197,7 @@ def overlap(
     options: dict[str, Any] = dict(
         num_ubatches=num_ubatches, split=split, merge=merge, min_batch_size=min_batch_size,
         timeout_s=timeout_s, device=None if device is None else torch.device(device),
-        decision_group=decision_group,
+        decision_group=decision_group, overlap_if=overlap_if,
     )
     if fn is None:
         return functools.partial(overlap, no_split=no_split, **options)
@@ -210,7 +222,7 @@ def _wrapper(
     target: Callable[..., Any], whole: tuple[frozenset[int], frozenset[str], int], *,
     num_ubatches: int, split: SplitFn | None, merge: MergeFn | None,
     min_batch_size: int | None, timeout_s: float | None, device: torch.device | None,
-    decision_group: Any,
+    decision_group: Any, overlap_if: Callable[..., bool] | None,
 ) -> Callable[..., Any]:
     """The function `overlap` returns (its options checked)."""
 
@@ -239,11 +251,11 @@ def _wrapper(
         try:
             cut_args, cut_kwargs, held = hold_out(args, kwargs, whole_indices, whole_names)
             leaves, size = _decided_size(
-                cut_args, cut_kwargs, split is not None, decision_group, must_inline
+                cut_args, cut_kwargs, split is not None, decision_group, must_inline,
+                max(num_ubatches, min_batch_size or 1),
+                None if overlap_if is None else lambda: overlap_if(*args, **kwargs),
             )
-            if size is None or size < num_ubatches or (
-                min_batch_size is not None and size < min_batch_size
-            ):
+            if size is None:
                 name = "dbo.overlap inline"
                 return inline(args, kwargs)
             # A caller in no_grad whose fn turns grad on: the parts keep their link to the
@@ -252,7 +264,8 @@ def _wrapper(
                 torch.is_grad_enabled() or any(leaf.requires_grad for _, leaf in leaves)
             ):
                 if split is None:  # the leaves were checked when sized
-                    parts = split_parts(cut_args, cut_kwargs, num_ubatches)
+                    local_size = leaves[0][1].size(0)  # every leaf has it (checked)
+                    parts = split_parts(cut_args, cut_kwargs, num_ubatches, local_size)
                 else:
                     parts = _checked_split(split(cut_args, cut_kwargs, num_ubatches), num_ubatches)
             run_device = device or next(
@@ -345,29 +358,36 @@ def _checked_split(parts: Any, num_ubatches: int) -> list[Any]:
 
 def _decided_size(
     args: tuple[Any, ...], kwargs: dict[str, Any], custom_split: bool, group: Any,
-    must_inline: bool,
+    must_inline: bool, smallest: int, overlap_if: Callable[[], bool] | None,
 ) -> tuple[list[tuple[str, torch.Tensor]], int | None]:
-    """The (path, tensor) leaves to split and the batch size: this rank's, or the MIN over
-    `group` (0 from a rank that must run inline; a rank that cannot size its input votes
-    before it raises, and every other rank then raises too instead of waiting)."""
+    """The (path, tensor) leaves to split and the batch size to overlap, None to run
+    inline: this rank's decision (a batch of at least `smallest`, no mode, `overlap_if()`),
+    or with `group` every rank's together (a MIN all-reduce of the batch sizes, 0 from a
+    rank that runs inline; a rank that cannot size its input or whose `overlap_if` raises
+    votes before it raises, and every other rank then raises too instead of waiting)."""
     try:
         leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
         size = _largest_size(leaves) if custom_split else batch_size_of(leaves)
+        wanted = size is not None and size >= smallest and not must_inline
+        if wanted and not custom_split:
+            check_objects(args, kwargs, size)  # type: ignore[arg-type]
+        if wanted and overlap_if is not None:
+            wanted = bool(overlap_if())
     except Exception:
         if group is not None:
             with contextlib.suppress(Exception):  # this rank's own error says more
                 _smallest_batch_across_ranks(_FAILED_RANK, group)
         raise
     if group is not None:
-        vote = 0 if size is None or must_inline else size
-        size = _smallest_batch_across_ranks(vote, group, leaves)
+        size = _smallest_batch_across_ranks(size if wanted and size else 0, group, leaves)
         if size == _FAILED_RANK:
             raise RuntimeError(
                 "dbo.overlap: another rank of decision_group could not size its input (its "
                 "own error says why), so no rank runs the function: they would wait for "
                 "that rank's collectives"
             )
-    return leaves, size
+        wanted = size >= smallest
+    return leaves, size if wanted else None
 
 
 _FAILED_RANK = -1  # the vote of a rank whose input cannot be sized: the MIN tells every rank

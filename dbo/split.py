@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,28 +18,60 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from dbo import stateful
 from dbo._checks import check_num_ubatches
 
 UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
 
 
-def _is_size(node: Any) -> bool:
-    return isinstance(node, torch.Size)  # a shape is one value, not a container of ints
+def _is_leaf(node: Any) -> bool:
+    """A shape (one value, not a container of ints) or an object with a split rule (split
+    by its rule even if its type is a pytree node too)."""
+    return isinstance(node, torch.Size) or stateful.rule_for(node) is not None
 
 
 def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
-    return pytree.tree_flatten(tree, is_leaf=_is_size)
+    return pytree.tree_flatten(tree, is_leaf=_is_leaf)
 
 
 def _leaf_paths(tree: Any, root: str) -> list[str]:
     """The readable path of each leaf (`args[0]`, `kwargs['mask']`, `output.logits`)."""
-    pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=_is_size)
+    pairs, _ = pytree.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     return [root + pytree.keystr(path) for path, _ in pairs]
 
 
 def _splittable(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
+
+
+def _to_split(leaf: Any) -> bool:
+    """A leaf each ubatch gets its own part of: a tensor with a dim 0, or a stateful object."""
+    return _splittable(leaf) or stateful.rule_for(leaf) is not None
+
+
+def check_objects(args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> None:
+    """ValueError naming the path for an argument leaf of a type without a split rule that
+    holds a tensor of `batch_size` rows (`dbo.stateful.hidden_batch_tensor`): it would reach
+    every ubatch whole, and each would write its rows into it."""
+    named = [(f"args[{i}]", arg) for i, arg in enumerate(args)]
+    for root, value in named + [(f"kwargs[{key!r}]", v) for key, v in kwargs.items()]:
+        if isinstance(value, (torch.Tensor, bool, int, float, str, type(None))):
+            continue  # the usual arguments, without a tree walk
+        leaves, _ = _flatten(value)
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) or stateful.rule_for(leaf) is not None:
+                continue
+            where = stateful.hidden_batch_tensor(leaf, batch_size)
+            if where is not None:
+                path = _leaf_paths(value, root)[index]
+                raise ValueError(stateful.refusal(path, leaf, where, batch_size))
+
+
+def rows_per_ubatch(batch_size: int, num_ubatches: int) -> list[int]:
+    """The rows of each part `torch.tensor_split` cuts a batch into (the first ones larger)."""
+    base, extra = divmod(batch_size, num_ubatches)
+    return [base + (1 if i < extra else 0) for i in range(num_ubatches)]
 
 
 def splittable_leaves(
@@ -79,7 +110,7 @@ def _unregistered_holding_tensors(leaf: Any) -> bool:
         inner = list(leaf)
     else:
         return False
-    return any(_splittable(x) for x in pytree.tree_leaves(inner, is_leaf=_is_size))
+    return any(_splittable(x) for x in pytree.tree_leaves(inner, is_leaf=_is_leaf))
 
 
 def _unregistered(leaf: Any, verb: str) -> str:
@@ -114,34 +145,50 @@ def default_split(
 ) -> UBatchInputs:
     """Split every tensor leaf with ndim >= 1 into views, as `torch.tensor_split(x,
     num_ubatches)` does; 0-dim tensors and other leaves reach every ubatch unchanged, and
-    a container with nothing to split (at any depth) as the same object. ValueError when dim-0 sizes
-    differ or a leaf of a type torch's pytree does not know holds tensors. Sparse and
-    nested tensors are unsupported (torch.tensor_split refuses them): pass `split=`."""
+    a container with nothing to split (at any depth) as the same object. An object of a
+    type with a split rule (`dbo.register_split_rule`; transformers' KV caches) is split
+    by its rule, with the rows of each part. ValueError when dim-0 sizes differ, a leaf of
+    a type torch's pytree does not know holds tensors, or an object without a split rule
+    holds a tensor of the batch's rows (`.layers[0].keys`). Sparse and nested tensors are
+    unsupported (torch.tensor_split refuses them): pass `split=`."""
     num_ubatches = check_num_ubatches(num_ubatches)
-    batch_size_of(splittable_leaves(args, kwargs))  # checks the leaves and their sizes
-    return split_parts(args, kwargs, num_ubatches)
+    batch_size = batch_size_of(splittable_leaves(args, kwargs))  # checks leaves and sizes
+    if batch_size is not None:
+        check_objects(args, kwargs, batch_size)
+    return split_parts(args, kwargs, num_ubatches, batch_size or 0)
 
 
 def split_parts(
-    args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int
+    args: tuple[Any, ...], kwargs: dict[str, Any], num_ubatches: int, batch_size: int
 ) -> UBatchInputs:
-    """`default_split` for arguments whose leaves are already known to be valid."""
-    arg_parts = [_split_argument(arg, num_ubatches) for arg in args]
-    kwarg_parts = {key: _split_argument(value, num_ubatches) for key, value in kwargs.items()}
+    """`default_split` for arguments whose leaves are already known to be valid, with
+    `batch_size` rows (how stateful objects are cut)."""
+    rows = rows_per_ubatch(batch_size, num_ubatches)
+    arg_parts = [_split_argument(arg, rows, f"args[{i}]") for i, arg in enumerate(args)]
+    kwarg_parts = {
+        key: _split_argument(value, rows, f"kwargs[{key!r}]") for key, value in kwargs.items()
+    }
     return [
         (tuple(parts[i] for parts in arg_parts), {k: p[i] for k, p in kwarg_parts.items()})
         for i in range(num_ubatches)
     ]
 
 
-def _split_argument(value: Any, num_ubatches: int) -> Sequence[Any]:
-    """The `num_ubatches` parts of one argument (itself each time if nothing is split)."""
+def _split_argument(value: Any, rows: list[int], root: str) -> Sequence[Any]:
+    """The parts of one argument, one per ubatch (itself each time if nothing is split)."""
+    num_ubatches = len(rows)
     if type(value) is torch.Tensor:
         if value.ndim == 0:
             return (value,) * num_ubatches
         return torch.tensor_split(value, num_ubatches, dim=0)
     leaves, spec = pytree.tree_flatten(value, is_leaf=_passes_whole)
-    cut = {i: torch.tensor_split(x, num_ubatches) for i, x in enumerate(leaves) if _splittable(x)}
+    cut: dict[int, Sequence[Any]] = {}
+    for i, leaf in enumerate(leaves):
+        if _splittable(leaf):
+            cut[i] = torch.tensor_split(leaf, num_ubatches)
+        elif (rule := stateful.rule_for(leaf)) is not None:
+            path = root if len(leaves) == 1 else f"{root} (leaf {i})"
+            cut[i] = stateful.split_object(leaf, rule, rows, path)
     if not cut:
         return (value,) * num_ubatches
     return [
@@ -151,10 +198,11 @@ def _split_argument(value: Any, num_ubatches: int) -> Sequence[Any]:
 
 
 def _passes_whole(node: Any) -> bool:
-    """A shape, or a container with nothing to split: every ubatch gets the same object
-    (state that `fn` writes into, such as a dict of counters, stays shared)."""
-    return _is_size(node) or not any(
-        _splittable(leaf) for leaf in pytree.tree_leaves(node, is_leaf=_is_size)
+    """A shape, an object with a split rule (a leaf, split by the rule), or a container
+    with nothing to split: every ubatch gets the same object (state that `fn` writes into,
+    such as a dict of counters, stays shared)."""
+    return _is_leaf(node) or not any(
+        _to_split(leaf) for leaf in pytree.tree_leaves(node, is_leaf=_is_leaf)
     )
 
 
@@ -164,11 +212,11 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     All outputs must have the same structure (dicts may list their keys in another
     order); a transformers `ModelOutput` merges field by field. A non-tensor leaf must be
     equal in every output and is returned once (an int computed from the rows comes
-    back as ubatch 0's: return it as a tensor). ValueError naming the leaf otherwise,
-    and for a 0-dim tensor (a loss, `aux_loss`) or a transformers cache: under DBO pass
-    `use_cache=False`, and compute the loss from the merged logits, or pass a `merge=`
-    that weights each ubatch's loss by its rows. The concatenation copies every output
-    once; `merge_parts` avoids the copy.
+    back as ubatch 0's: return it as a tensor); an object of a type with a split rule
+    (`dbo.register_split_rule`; transformers' KV caches) is merged by its rule. ValueError
+    naming the leaf otherwise, and for a 0-dim tensor (a loss, `aux_loss`): compute the
+    loss from the merged logits, or pass a `merge=` that weights each ubatch's loss by its
+    rows. The concatenation copies every output once; `merge_parts` avoids the copy.
     """
     if len(outputs) == 0:
         raise ValueError("default_merge got no ubatch outputs to merge (an empty sequence)")
@@ -212,17 +260,14 @@ def _merged_columns(columns: Iterable[Sequence[Any]], first: Any) -> list[Any]:
 
 def _merged_leaf(values: list[Any]) -> Any:
     first = values[0]
+    rule = stateful.rule_for(first)
+    if rule is not None:
+        return rule.merge(values)
     if not any(isinstance(value, torch.Tensor) for value in values):
         if _unregistered_holding_tensors(first):
             raise _Unmergeable(_unregistered(first, "merge"))
         if all(_same(first, value) for value in values[1:]):
             return first
-        cache_utils = sys.modules.get("transformers.cache_utils")
-        if cache_utils is not None and isinstance(first, cache_utils.Cache):
-            raise _Unmergeable(
-                f"it is a transformers {type(first).__name__} (use_cache=True), which does "
-                "not merge; pass use_cache=False to the overlapped model"
-            )
         raise _Unmergeable(
             f"the ubatches returned different non-tensor values {values!r}; pass merge= "
             "to combine them"

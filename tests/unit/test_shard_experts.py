@@ -147,7 +147,7 @@ def test_an_expert_count_the_group_does_not_divide_is_refused_before_any_change(
     assert {name: param.shape for name, param in model.named_parameters()} == before
 
 
-def test_a_loss_and_a_cache_in_the_output_stop_the_merge_saying_what_to_do(
+def test_a_loss_stops_the_merge_and_a_cache_made_in_the_ubatches_is_joined(
     world_of_one: None,
 ) -> None:
     model = tiny_moe("qwen3_moe")
@@ -159,8 +159,12 @@ def test_a_loss_and_a_cache_in_the_output_stop_the_merge_saying_what_to_do(
             step(ids, labels=ids)
         with pytest.raises(ValueError, match=r"aux_loss.*weight each ubatch's by its rows"):
             step(ids, output_router_logits=True)
-        with pytest.raises(ValueError, match="DynamicCache.*pass use_cache=False"):
-            step(ids, use_cache=True)
+        joined = step(ids, use_cache=True).cache  # each ubatch made its own: one copy joins them
+        whole = model(ids, use_cache=True).cache
+    assert joined.get_seq_length() == 6 and joined.layers[0].keys.shape[0] == 4
+    for mine, theirs in zip(joined.layers, whole.layers):
+        torch.testing.assert_close(mine.keys, theirs.keys)
+        torch.testing.assert_close(mine.values, theirs.values)
 
 
 def test_training_through_an_overlapped_sharded_model_gives_the_serial_gradients(

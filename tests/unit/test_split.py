@@ -422,11 +422,17 @@ def test_transformers_model_outputs_split_and_merge() -> None:
     assert type(part[0]) is output_type and part[0].last_hidden_state.shape == (3, 2)
 
 
-def test_a_loss_and_a_transformers_cache_stop_the_merge_saying_what_to_do() -> None:
+def test_a_loss_stops_the_merge_and_caches_made_in_the_ubatches_are_joined_by_rows() -> None:
     cache_utils = pytest.importorskip("transformers.cache_utils")
     logits = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"output\['loss'\]: .*weight each ubatch's by its rows"):
         dbo.default_merge([{"loss": logits.sum(), "logits": logits}] * 2)
-    caches = [{"cache": cache_utils.DynamicCache()} for _ in range(2)]
-    with pytest.raises(ValueError, match=r"output\['cache'\]: .*DynamicCache .*use_cache=False"):
-        dbo.default_merge(caches)
+    keys = torch.randn(5, 2, 3, 4)
+    caches = []
+    for rows in keys.tensor_split(2):
+        cache = cache_utils.DynamicCache()
+        cache.update(rows, -rows, 0)
+        caches.append({"cache": cache})
+    joined = dbo.default_merge(caches)["cache"]
+    assert type(joined) is cache_utils.DynamicCache and joined.get_seq_length() == 3
+    assert torch.equal(joined.layers[0].keys, keys) and torch.equal(joined.layers[0].values, -keys)

@@ -1,0 +1,143 @@
+"""Objects that hold per-row state across calls (a KV cache): split rules for the types
+registered with `register_split_rule`, and the refusal of any other object that holds
+batch-sized tensors, which would otherwise reach every ubatch whole and be written by all.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SplitRule = Callable[[Any, list[int]], Sequence[Any]]  # split(obj, rows_per_ubatch) -> parts
+MergeRule = Callable[[list[Any]], Any]  # merge([part_0, part_1, ...]) -> obj
+
+
+@dataclass(frozen=True)
+class _Rule:
+    split: SplitRule
+    merge: MergeRule
+
+
+_rules: dict[type, _Rule] = {}
+_lookup_cache: weakref.WeakKeyDictionary[type, _Rule | None] = weakref.WeakKeyDictionary()
+"""The rule of each type met (None: none); weak, so a local class is not kept alive."""
+_lock = threading.Lock()
+
+
+def register_split_rule(cls: type, *, split: SplitRule, merge: MergeRule) -> None:
+    """Teach `dbo.overlap`'s default split and merge a type that holds per-row state.
+
+    When an argument (at any depth of the pytree) is an instance of `cls` or a subclass,
+    the default split calls `split(obj, rows)` with `rows` the number of batch rows of each
+    ubatch, in ubatch order (the rows `torch.tensor_split` gives the tensor arguments:
+    `sum(rows)` is the batch size), and hands ubatch i the i-th object it returns; the
+    default merge calls `merge([out_0, out_1, ...])` for an output leaf of that type (or a
+    subclass: give the parts the rule's type) and returns what it returns. The rule
+    decides what persists between calls (a KV cache keeps each ubatch's rows in place).
+    `split` runs in the calling thread before the ubatches start, `merge` after they all
+    return; an inline call (below the thresholds) passes the object whole and merges
+    nothing. Registering a type again replaces its rule. Used by `dbo.overlap` with its
+    default split (a custom `split=` cuts such objects itself) and by `dbo.default_merge`.
+    """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_split_rule needs a class, got {cls!r}")
+    for name, value in (("split", split), ("merge", merge)):
+        if not callable(value):
+            raise TypeError(f"register_split_rule: {name} must be callable, got {value!r}")
+    with _lock:
+        _rules[cls] = _Rule(split, merge)
+        _lookup_cache.clear()
+
+
+def rule_for(obj: Any) -> _Rule | None:
+    """The split rule of `obj`'s type (its nearest registered base class), or None."""
+    kind = type(obj)
+    try:
+        return _lookup_cache[kind]
+    except KeyError:
+        pass
+    _register_known_libraries(obj)
+    with _lock:
+        rule = next((_rules[base] for base in kind.__mro__ if base in _rules), None)
+        _lookup_cache[kind] = rule
+    return rule
+
+
+def _register_known_libraries(obj: Any) -> None:
+    """Register the rules for `transformers`' caches the first time one is met (never
+    importing `transformers` itself: an instance means it is imported)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is not None and isinstance(obj, cache_utils.Cache):
+        from dbo import _hf_cache
+
+        _hf_cache.register()
+
+
+def split_object(obj: Any, rule: _Rule, rows: list[int], path: str) -> list[Any]:
+    """`rule.split(obj, rows)`, checked: one part per ubatch."""
+    parts = list(rule.split(obj, list(rows)))
+    if len(parts) != len(rows):
+        raise ValueError(
+            f"the split rule registered for {type(obj).__name__} returned {len(parts)} "
+            f"parts of {path} for {len(rows)} ubatches; it must return one per ubatch"
+        )
+    return parts
+
+
+_PLAIN = (
+    type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+    torch.layout, torch.memory_format, torch.Size, type,
+)
+_SCAN_DEPTH = 3  # obj.attr, obj.attr[i].attr: a cache's `layers[i].keys`
+_SCAN_BUDGET = 512  # nodes looked at per object, so a large object costs a bounded scan
+
+
+def hidden_batch_tensor(obj: Any, batch_size: int) -> str | None:
+    """Where an object of a type without a split rule holds a tensor with `batch_size`
+    rows in its attributes (`.layers[0].keys`), looked for a few levels deep; None if it
+    does not, or if it is a plain value, a module (weights are shared) or a callable."""
+    if isinstance(obj, (_PLAIN, torch.nn.Module)) or callable(obj):
+        return None
+    pending: list[tuple[Any, str, int]] = [(obj, "", 0)]
+    seen = {id(obj)}
+    budget = _SCAN_BUDGET
+    while pending and budget > 0:
+        node, where, depth = pending.pop()
+        budget -= 1
+        if isinstance(node, torch.Tensor):
+            if node.ndim >= 1 and node.size(0) == batch_size:
+                return where
+            continue
+        if depth >= _SCAN_DEPTH or isinstance(node, (_PLAIN, torch.nn.Module)):
+            continue
+        if isinstance(node, dict):
+            children = [(value, f"{where}[{key!r}]") for key, value in node.items()]
+        elif isinstance(node, (list, tuple)):
+            children = [(value, f"{where}[{i}]") for i, value in enumerate(node)]
+        elif hasattr(node, "__dict__") and not callable(node):
+            children = [(value, f"{where}.{name}") for name, value in vars(node).items()]
+        else:
+            continue
+        for child, child_where in children:
+            if id(child) not in seen:
+                seen.add(id(child))
+                pending.append((child, child_where, depth + 1))
+    return None
+
+
+def refusal(path: str, obj: Any, where: str, batch_size: int) -> str:
+    """The error message for an object that holds batch rows and has no split rule."""
+    name = type(obj).__name__
+    return (
+        f"dbo.overlap cannot split {path}: it is a {name} holding a tensor of {batch_size} "
+        f"rows (the batch size) at {path}{where}, and a type without a split rule reaches "
+        "every ubatch whole, where each ubatch would write its rows into the same object; "
+        f"register a rule with dbo.register_split_rule({name}, split=..., merge=...), "
+        "pass it whole on purpose with no_split=, or pass split="
+    )

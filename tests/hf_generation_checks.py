@@ -1,0 +1,71 @@
+"""Shared by the generation tests (one process and several ranks): tiny random-weight
+Hugging Face models, left-padded prompts, and `generate` with and without DBO."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import dbo
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from hf_moe import build_model  # noqa: E402 - the example's builder
+
+VOCAB = 64
+PAD = 0
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen2"]  # three MoE families and a dense one
+
+
+def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
+    """A 2-layer random-weight causal LM of `kind`, generating with a KV cache."""
+    if kind == "qwen2":
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2,
+        )
+        model = transformers.Qwen2ForCausalLM(config).eval()
+    else:
+        model = build_model(kind, layers=2, hidden=32, experts=num_experts, topk=2, vocab=VOCAB)
+    model.generation_config.use_cache = True
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` left-padded prompts of different lengths (row r has r % 4 pads) and the mask."""
+    ids = torch.randint(1, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row in range(rows):
+        pads = min(row % 4, length - 1)
+        ids[row, :pads], mask[row, :pads] = PAD, 0
+    return ids, mask
+
+
+def generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **options: Any):
+    """`model.generate` with a fixed sampling seed (the same draws with and without DBO)."""
+    torch.manual_seed(1234)
+    return model.generate(ids, attention_mask=mask, **options)
+
+
+def both(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, overlap_options: dict,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens without DBO, tokens under `dbo.hf.overlap_generation`)."""
+    expected = generate(model, ids, mask, **options)
+    with dbo.hf.overlap_generation(model, **overlap_options):
+        got = generate(model, ids, mask, **options)
+    return expected, got
+
+
+def eos_that_stops_row_zero(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                            **options: Any) -> int:
+    """A token id row 0 generates on its third step (so it stops there, others go on)."""
+    tokens = generate(model, ids, mask, **options)
+    return int(tokens[0, ids.shape[1] + 2])

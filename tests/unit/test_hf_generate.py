@@ -1,0 +1,165 @@
+"""`model.generate` under DBO in one process: token-identical to `generate` without it,
+with each ubatch on its own rows of the KV cache (`dbo.hf`, `dbo._hf_cache`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dbo
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_generation_checks import (  # noqa: E402
+    KINDS,
+    both,
+    eos_that_stops_row_zero,
+    generate,
+    prompts,
+    tiny_model,
+)
+
+ALWAYS = dict(min_prefill_tokens=0, min_decode_tokens=0, timeout_s=30)
+
+
+@pytest.mark.parametrize("rows", range(2, 10))
+def test_a_wrapped_forward_under_generate_gives_the_tokens_of_generate_without_dbo(
+    rows: int,
+) -> None:
+    """A user's first try: model.forward = dbo.overlap(model.forward), then generate."""
+    model = tiny_model("qwen2_moe")
+    ids, mask = prompts(rows, 6, seed=rows)
+    expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
+    model.forward = dbo.overlap(model.forward, timeout_s=30)
+    got = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_overlap_generation_is_token_identical_greedy_and_sampled_with_rows_stopping(
+    kind: str, cache: str
+) -> None:
+    model = tiny_model(kind)
+    ids, mask = prompts(5, 7, seed=3)
+    options: dict[str, Any] = dict(max_new_tokens=32, cache_implementation=cache)
+    for sample in (False, True):
+        eos = eos_that_stops_row_zero(model, ids, mask, do_sample=sample, **options)
+        expected, got = both(model, ids, mask, ALWAYS, do_sample=sample, eos_token_id=eos,
+                             **options)
+        assert torch.equal(got, expected), (kind, cache, sample)
+        assert got.shape[1] > ids.shape[1] + 3, "every row stopped at once"
+        assert (got[0, ids.shape[1] + 3:] == 0).all(), "row 0 did not stop at its EOS"
+
+
+def test_both_ubatches_run_in_prefill_and_in_every_decode_step() -> None:
+    model = tiny_model("qwen3_moe")
+    seen: list[tuple[int, int, int]] = []
+
+    def record(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen.append((dbo.current_ubatch_id(), hidden.shape[0], hidden.shape[1]))
+
+    hook = model.model.layers[0].register_forward_pre_hook(record, with_kwargs=True)
+    ids, mask = prompts(5, 6, seed=0)
+    with dbo.hf.overlap_generation(model, **ALWAYS):
+        generate(model, ids, mask, max_new_tokens=4, do_sample=False)
+    hook.remove()
+    prefill = [(ubatch, rows) for ubatch, rows, length in seen if length == 6]
+    decode = [(ubatch, rows) for ubatch, rows, length in seen if length == 1]
+    assert sorted(prefill) == [(0, 3), (1, 2)]
+    assert sorted(decode) == [(0, 3)] * 3 + [(1, 2)] * 3
+
+
+def test_thresholds_pick_the_path_per_step_and_the_cache_carries_across_paths() -> None:
+    model = tiny_model("mixtral")
+    ids, mask = prompts(4, 6, seed=5)
+    runs: list[bool] = []
+
+    def record(module: torch.nn.Module, args: Any) -> None:
+        runs.append(dbo.enabled())
+
+    model.model.layers[0].register_forward_pre_hook(record)
+    for cache in ("dynamic", "static"):
+        options = dict(max_new_tokens=6, do_sample=False, cache_implementation=cache)
+        # Prefill overlapped (24 tokens >= 20), decode inline (4 rows < 5), and the reverse.
+        for prefill, decode, want in ((20, 5, [True] * 2 + [False] * 5),
+                                      (25, 4, [False] + [True] * 10)):
+            runs.clear()
+            expected, got = both(model, ids, mask, dict(
+                min_prefill_tokens=prefill, min_decode_tokens=decode, timeout_s=30), **options)
+            assert torch.equal(got, expected), (cache, prefill, decode)
+            assert runs[len(runs) - len(want):] == want, (cache, runs)
+
+
+def test_the_cache_generate_returns_equals_the_one_without_dbo() -> None:
+    model = tiny_model("qwen2_moe")
+    ids, mask = prompts(3, 5, seed=2)
+    for cache in ("dynamic", "static"):
+        options = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
+                       cache_implementation=cache)
+        expected, got = both(model, ids, mask, ALWAYS, **options)
+        assert torch.equal(got.sequences, expected.sequences)
+        assert int(got.cache.get_seq_length()) == int(expected.cache.get_seq_length())
+        for mine, theirs in zip(got.cache.layers, expected.cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys)
+            torch.testing.assert_close(mine.values, theirs.values)
+
+
+def test_a_decode_step_writes_its_token_in_place_without_copying_the_cache_back() -> None:
+    """The caller's DynamicCache holds views of one buffer per layer: a decode step adds
+    its token there (the buffer's storage is the same) instead of concatenating it."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model("qwen3_moe")
+    ids, mask = prompts(4, 6, seed=9)
+    cache = transformers.DynamicCache(config=model.config)
+    step = dbo.overlap(model.forward, timeout_s=30)
+    with torch.no_grad():
+        step(ids, attention_mask=mask, cache=cache, use_cache=True)
+        storages = [layer.keys.untyped_storage().data_ptr() for layer in cache.layers]
+        token = ids[:, -1:]
+        for length in range(7, 11):
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            logits = step(token, attention_mask=mask, cache=cache, use_cache=True).logits
+            assert cache.get_seq_length() == length
+            assert [layer.keys.untyped_storage().data_ptr() for layer in cache.layers] == storages
+            token = logits[:, -1:].argmax(-1)
+
+
+def test_a_new_batch_size_starts_over_and_remove_restores_the_model() -> None:
+    model = tiny_model("qwen2")
+    forward, compile_setting = model.forward, model.generation_config.disable_compile
+    handle = dbo.hf.overlap_generation(model, **ALWAYS)
+    assert model.forward is handle.forward and model.generation_config.disable_compile
+    with pytest.raises(ValueError, match="already overlapped"):
+        dbo.hf.overlap_generation(model)
+    for rows in (4, 7, 3):
+        ids, mask = prompts(rows, 5, seed=rows)
+        handle.remove()
+        expected = generate(model, ids, mask, max_new_tokens=4, do_sample=False)
+        handle = dbo.hf.overlap_generation(model, **ALWAYS)
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=4, do_sample=False), expected)
+    handle.remove()
+    handle.remove()  # idempotent
+    assert model.forward == forward and "forward" not in model.__dict__
+    assert model.generation_config.disable_compile is compile_setting
+
+
+def test_a_cache_of_an_unsupported_kind_is_refused_naming_it() -> None:
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model("qwen2")
+    cache = transformers.DynamicCache(config=model.config)
+    cache.layers[1] = transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=4)
+    ids, mask = prompts(4, 5, seed=0)
+    step = dbo.overlap(model.forward, timeout_s=30)
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer layers.*use_cache=False"):
+        step(ids, attention_mask=mask, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="rows but the batch has 4"):
+        small = transformers.DynamicCache(config=model.config)
+        model(ids[:2], attention_mask=mask[:2], cache=small, use_cache=True)
+        step(ids, attention_mask=mask, cache=small, use_cache=True)
