@@ -1,0 +1,72 @@
+"""`model.generate` under DBO, expert-parallel over 2 and 4 gloo ranks: token-identical to
+`generate` without DBO on the same sharded model, with ranks holding different batch
+sizes, left-padded prompts, rows stopping at EOS (`synced_gpus=True` keeps every rank
+stepping) and both cache kinds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _spawn import expect_ok, run_world
+
+import comm
+import dbo
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.distributed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_generation_checks import eos_that_stops_row_zero, generate, prompts, tiny_model  # noqa: E402
+
+
+def _check_generation_matches(kinds: list[str], new_tokens: int) -> list[str]:
+    rank, world_size, _ = comm.init_distributed(timeout_s=60)
+    group = torch.distributed.group.WORLD
+    checked = []
+    for kind in kinds:
+        model = tiny_model(kind, num_experts=4)
+        comm.moe.shard_experts(model)
+        dbo.yield_between(model.model.layers)
+        ubatches_in_decode = set()
+
+        def record(module: torch.nn.Module, args: tuple) -> None:
+            if args[0].shape[1] == 1:  # a decode step
+                ubatches_in_decode.add(dbo.current_ubatch_id())
+
+        model.model.layers[0].register_forward_pre_hook(record)
+        ids, mask = prompts(3 + rank, 5 + rank % 2, seed=10 + rank)  # each rank its own batch
+        for cache in ("dynamic", "static"):
+            options = dict(max_new_tokens=new_tokens, synced_gpus=True, cache_implementation=cache)
+            for sample in (False, True):
+                eos = eos_that_stops_row_zero(model, ids, mask, do_sample=sample, **options)
+                options_eos = dict(options, do_sample=sample, eos_token_id=eos)
+                expected = generate(model, ids, mask, **options_eos)
+                with dbo.hf.overlap_generation(
+                    model, min_prefill_tokens=0, min_decode_tokens=0, decision_group=group,
+                    timeout_s=30,
+                ):
+                    got = generate(model, ids, mask, **options_eos)
+                assert torch.equal(got, expected), (rank, kind, cache, sample)
+                assert ubatches_in_decode == {0, 1}, ubatches_in_decode
+                ubatches_in_decode.clear()
+                checked.append(f"{kind}/{cache}/{'sample' if sample else 'greedy'}")
+    comm.destroy_distributed()
+    return checked
+
+
+@pytest.mark.timeout(300)
+def test_generation_over_two_ranks_is_token_identical_for_three_moe_families() -> None:
+    kinds = ["mixtral", "qwen2_moe", "qwen3_moe"]
+    results = expect_ok(run_world(_check_generation_matches, world_size=2,
+                                  args=(kinds, 32), timeout_s=270))
+    assert all(len(checked) == 12 for checked in results)
+
+
+@pytest.mark.timeout(300)
+def test_generation_over_four_ranks_is_token_identical() -> None:
+    results = expect_ok(run_world(_check_generation_matches, world_size=4,
+                                  args=(["qwen3_moe"], 16), timeout_s=270))
+    assert all(len(checked) == 4 for checked in results)
