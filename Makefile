@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dbo-installed
 
-.PHONY: demo demo-hf demo-workspace test lint typecheck pytest bench clean
+.PHONY: demo demo-hf demo-generate demo-workspace test lint typecheck pytest bench clean
 
 # Each install step prints one line; pip's own output is shown only when a step fails.
 QUIET_PIP = $(BIN)/python -m pip install --disable-pip-version-check -q
@@ -43,6 +43,9 @@ demo: $(STAMP)
 
 demo-hf: $(STAMP)
 	$(BIN)/python examples/hf_moe.py --spawn 2
+
+demo-generate: $(STAMP)
+	$(BIN)/python examples/generate.py --spawn 2
 
 demo-workspace: $(STAMP)
 	$(BIN)/python examples/workspace_demo.py

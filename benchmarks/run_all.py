@@ -164,6 +164,20 @@ def _example(name: str, script: str, steps: str, goals: bool = False) -> Item:
     )
 
 
+def _generate_rows(result: dict[str, Any]) -> list[Row]:
+    copies = result.get("cache_bytes_per_decode_step") or {}
+    copied = (f"; KV cache bytes written per decode step: {copies['dbo'] / 1e3:.0f} kB vs "
+              f"transformers' {copies['transformers'] / 1e3:.0f} kB" if copies else "")
+    return [(
+        f"`generate.py`, {result['batch']} prompts per rank, {result['new_tokens']} tokens: "
+        "decode DBO vs the same ubatches in turn / vs the whole batch; prefill vs in turn",
+        f"{result['decode_speedup_vs_split']:.2f}x / {result['decode_speedup']:.2f}x / "
+        f"{result['prefill_speedup_vs_split']:.2f}x",
+        f"per-token decode time ratios, tokens equal: {result['tokens_equal']}; goal >= 1.3x "
+        f"over the ubatches in turn{copied}",
+    )]
+
+
 _OVERLAP_CONFIGS = ",".join(
     f"{size:g}:{size:g}:{u}" for u in OVERLAP_UBATCHES for size in OVERLAP_SIZES_MS
 )
@@ -184,6 +198,8 @@ ITEMS = (
          _moe_path_rows),
     _example("tp", "examples/tensor_parallel_mlp.py", "5"),
     _example("hf", "examples/hf_moe.py", "5"),
+    Item("generate", "examples/generate.py", ("--spawn", "2"),
+         ("--spawn", "2", "--repeats", "2", "--new-tokens", "8"), _generate_rows),
 )
 """The items in the order they run."""
 

@@ -202,6 +202,7 @@ class _SharedLayer:
         self.length = 0
         self.whole_keys: torch.Tensor | None = None
         self.lengths: list[int] = []
+        self.bytes_written = 0  # new tokens, and the copies of growth and refill
 
     def holds(self, layer: Any) -> bool:
         """Whether `layer` holds this buffer's view (nothing changed it since the last call)."""
@@ -218,6 +219,7 @@ class _SharedLayer:
             self._allocate(layer.keys, layer.values, self.length)
             self.keys[:, :, : self.length].copy_(layer.keys)  # type: ignore[index]
             self.values[:, :, : self.length].copy_(layer.values)  # type: ignore[index]
+            self.bytes_written += layer.keys.nbytes + layer.values.nbytes
             self.whole_keys = layer.keys
 
     def start(self, num_ubatches: int) -> None:
@@ -245,6 +247,7 @@ class _SharedLayer:
         assert self.keys is not None and self.values is not None, "allocated above"
         self.keys[rows, :, begin:end].copy_(keys)
         self.values[rows, :, begin:end].copy_(values)
+        self.bytes_written += keys.nbytes + values.nbytes
         self.lengths[ubatch] = end
         return self.keys[rows, :, :end], self.values[rows, :, :end]
 
@@ -260,6 +263,7 @@ class _SharedLayer:
             grown = torch.empty(shape, dtype=source.dtype, device=source.device)
             if buffer is not None and filled:
                 grown[:, :, :filled].copy_(buffer[:, :, :filled])
+                self.bytes_written += buffer[:, :, :filled].nbytes
             new.append(grown)
         self.keys, self.values = new
 
@@ -298,6 +302,12 @@ class _Growing:
 
 _STATES: weakref.WeakKeyDictionary[Any, _Growing] = weakref.WeakKeyDictionary()
 """Each DynamicCache's buffers (they live as long as the cache)."""
+
+
+def bytes_written(cache: Any) -> int:
+    """What dbo wrote into the buffers of a DynamicCache it split (0 for any other cache)."""
+    growing = _STATES.get(cache)
+    return 0 if growing is None else sum(shared.bytes_written for shared in growing.layers)
 
 
 def _growing_state(cache: Any, batch_size: int, num_ubatches: int) -> _Growing:

@@ -13,6 +13,7 @@ model is passed in, never by `import dbo`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -122,6 +123,19 @@ def overlap_generation(
     handle = GenerationOverlap(model, forward)
     handle._install()
     return handle
+
+
+def cache_bytes_written(cache: Any) -> int:
+    """Bytes `dbo` wrote into a `DynamicCache` it split, since it first split it: each
+    ubatch's new keys and values, and the copies made when a buffer grows or is made
+    anew from the cache. 0 for a cache it never split (a StaticCache is written in place
+    by the model, never copied). For comparing with what `torch.cat` copies in
+    `transformers`' own DynamicLayer (the whole layer, every call)."""
+    if "transformers" not in sys.modules:
+        return 0
+    from dbo import _hf_cache
+
+    return _hf_cache.bytes_written(cache)
 
 
 def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:

@@ -5,6 +5,9 @@ stepping) and both cache kinds."""
 
 from __future__ import annotations
 
+import functools
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_generation_checks import eos_that_stops_row_zero, generate, prompts, tiny_model  # noqa: E402
 
 
+def _record(ubatches: set[int], module: torch.nn.Module, args: tuple) -> None:
+    if args[0].shape[1] == 1:  # a decode step
+        ubatches.add(dbo.current_ubatch_id())
+
+
 def _check_generation_matches(kinds: list[str], new_tokens: int) -> list[str]:
     rank, world_size, _ = comm.init_distributed(timeout_s=60)
     group = torch.distributed.group.WORLD
@@ -30,12 +38,8 @@ def _check_generation_matches(kinds: list[str], new_tokens: int) -> list[str]:
         model = tiny_model(kind, num_experts=4)
         comm.moe.shard_experts(model)
         dbo.yield_between(model.model.layers)
-        ubatches_in_decode = set()
-
-        def record(module: torch.nn.Module, args: tuple) -> None:
-            if args[0].shape[1] == 1:  # a decode step
-                ubatches_in_decode.add(dbo.current_ubatch_id())
-
+        ubatches_in_decode: set[int] = set()
+        record = functools.partial(_record, ubatches_in_decode)
         model.model.layers[0].register_forward_pre_hook(record)
         ids, mask = prompts(3 + rank, 5 + rank % 2, seed=10 + rank)  # each rank its own batch
         for cache in ("dynamic", "static"):
@@ -70,3 +74,28 @@ def test_generation_over_four_ranks_is_token_identical() -> None:
     results = expect_ok(run_world(_check_generation_matches, world_size=4,
                                   args=(["qwen3_moe"], 16), timeout_s=270))
     assert all(len(checked) == 4 for checked in results)
+
+
+@pytest.mark.timeout(240)
+def test_the_generate_example_checks_the_tokens_and_reports_json(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "generate.py"
+    completed = subprocess.run(
+        [sys.executable, str(example), "--spawn", "2", "--batch", "6", "--new-tokens", "4",
+         "--repeats", "1", "--min-prefill-tokens", "0", "--min-decode-tokens", "0",
+         "--timeout-s", "60", "--out", str(tmp_path), "--json"],
+        capture_output=True, text=True, timeout=200,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["tokens_equal"] is True and result["tokens_equal_split"] is True
+    assert result["batch"] == 6 and result["new_tokens"] == 4 and result["world_size"] == 2
+    for key in ("prefill_ms", "decode_ms_per_token", "tokens_per_s"):
+        assert set(result[key]) == {"whole", "split", "dbo"} and min(result[key].values()) > 0
+    for key in ("decode_speedup", "decode_speedup_vs_split", "prefill_speedup_vs_split"):
+        assert result[key] > 0, key
+    copies = result["cache_bytes_per_decode_step"]
+    assert 0 < copies["dbo"] < copies["transformers"], copies
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"generate_rank{rank}.json").read_text())["traceEvents"]
+        assert {"dbo.overlap", "baton"} <= {e["name"] for e in events if e["ph"] == "X"}
+        assert (tmp_path / f"generate_rank{rank}.png").stat().st_size > 0
