@@ -2,8 +2,9 @@
 cache the caller holds, and that cache stays a true cache of every row after each call.
 
 - `StaticCache` (preallocated `[B, H, max_len, D]` per layer): ubatch i gets views of its
-  rows, so its writes land in place; each ubatch counts its own length, and the caller's
-  count is set from ubatch 0's after the call. Nothing is copied.
+  rows, so its writes land in place, at the caller's layer's length; after the call the
+  merge adds the tokens written to that length (in place: a captured graph replays it).
+  Nothing is copied.
 - `DynamicCache` (grows by one `torch.cat` of the whole layer per call in `transformers`):
   each layer's keys and values live in a `[B, H, capacity, D]` buffer with room to grow;
   the caller's layer holds a view of the filled part, each ubatch a view of its rows, and a
@@ -34,6 +35,7 @@ from transformers.cache_utils import (
 )
 
 from dbo import stateful
+from dbo.api import at_ubatch_exit
 
 _REGISTERED = False
 
@@ -52,29 +54,78 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     batch_size = sum(rows)
     starts = [sum(rows[:i]) for i in range(len(rows))]
     bounds = [(start, start + count) for start, count in zip(starts, rows)]
+    call = _Call(cache, len(rows))
     if isinstance(cache, StaticCache):
-        layers = [[_StaticRows(layer, start, stop, batch_size) for layer in cache.layers]
-                  for start, stop in bounds]
-        return [_child(cache, child_layers) for child_layers in layers]
-    growing = _growing_state(cache, batch_size, len(rows))
-    children = []
+        call.children = [
+            _child(cache, call, [_StaticRows(layer, call, ubatch, start, stop, batch_size)
+                                 for layer in cache.layers])
+            for ubatch, (start, stop) in enumerate(bounds)
+        ]
+        return call.children
+    call.growing = growing = _growing_state(cache, batch_size, len(rows))
     for ubatch, (start, stop) in enumerate(bounds):
-        child = _child(cache, [])
-        child.layers = [_GrowingRows(shared, ubatch, start, stop) for shared in growing.layers]
+        child = _child(cache, call, [])
+        child.layers = [_GrowingRows(shared, call, ubatch, start, stop)
+                        for shared in growing.layers]
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
-            child.layer_class_to_replicate = _NewLayer(growing, child, ubatch, start, stop)
-        children.append(child)
-    return children
+            child.layer_class_to_replicate = _NewLayer(call, child, ubatch, start, stop)
+        call.children.append(child)
+    return call.children
 
 
 def merge_caches(parts: list[Any]) -> Any:
-    """The caller's cache, after the call (lengths set), when `parts` are its ubatches'
-    caches; caches the ubatches made themselves joined along the batch."""
-    whole = getattr(parts[0], "_dbo_whole", None)
-    if whole is not None and all(getattr(part, "_dbo_whole", None) is whole for part in parts):
-        _finish(whole, parts)
-        return whole
+    """The caller's cache when `parts` are its ubatches' caches (brought up to date as the
+    last ubatch returned); caches the ubatches made themselves joined along the batch."""
+    call = getattr(parts[0], "_dbo_call", None)
+    if call is not None and all(getattr(part, "_dbo_call", None) is call for part in parts):
+        return call.whole
     return _joined(parts)
+
+
+class _Call:
+    """One overlapped call's use of one cache. Each ubatch registers at its first write,
+    and when the last of them returns (in its thread, before the caller's stream joins
+    the ubatches') the caller's cache is brought up to date: its lengths, and a
+    DynamicCache's views. So it holds every row after the call whether or not the
+    function returns the cache; after a failed call it is as before."""
+
+    def __init__(self, whole: Any, num_ubatches: int) -> None:
+        self.whole = whole
+        self.entered = [False] * num_ubatches
+        self.returned = 0
+        self.children: list[Any] = []
+        self.growing: _Growing | None = None
+
+    def enter(self, ubatch: int) -> None:
+        if not self.entered[ubatch]:
+            self.entered[ubatch] = True
+            at_ubatch_exit(self._returned)  # outside an overlap (a part used alone): never
+
+    def _returned(self) -> None:
+        self.returned += 1
+        if self.returned == len(self.entered):
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.growing is not None:
+            while len(self.whole.layers) < len(self.growing.layers):
+                self.whole.layers.append(self.whole.layer_class_to_replicate())
+            for layer, shared in zip(self.whole.layers, self.growing.layers):
+                shared.finish(layer)
+            return
+        for index, layer in enumerate(self.whole.layers):
+            written = {child.layers[index].written for child in self.children}
+            if len(written) != 1:
+                raise RuntimeError(
+                    f"the ubatches wrote different numbers of tokens into layer {index} of "
+                    f"one StaticCache ({sorted(written, key=str)}); each must run the same "
+                    "forward on its rows"
+                )
+            (count,) = written
+            if count:
+                layer.cumulative_length.add_(count)
+            for child in self.children:
+                child.layers[index].written = None  # a captured graph's next replay
 
 
 def _check_supported(cache: Any) -> None:
@@ -98,11 +149,11 @@ def _check_supported(cache: Any) -> None:
         )
 
 
-def _child(cache: Any, layers: list[Any]) -> Any:
-    """A shallow copy of `cache` with other layers, knowing the cache it is part of."""
+def _child(cache: Any, call: _Call, layers: list[Any]) -> Any:
+    """A shallow copy of `cache` with other layers, knowing the call it is part of."""
     child = copy.copy(cache)
     child.layers = layers
-    child._dbo_whole = cache
+    child._dbo_call = call
     return child
 
 
@@ -112,20 +163,6 @@ def _check_rows(kind: str, have: int, batch_size: int) -> None:
             f"the {kind} passed to dbo.overlap holds {have} rows but the batch has "
             f"{batch_size}; pass a cache made for this batch (a new generate starts a new one)"
         )
-
-
-def _finish(whole: Any, parts: list[Any]) -> None:
-    if isinstance(whole, StaticCache):
-        layers: list[Any] = whole.layers
-        for layer, first in zip(layers, parts[0].layers):
-            if layer.is_initialized:  # every ubatch wrote as many tokens: take ubatch 0's count
-                layer.cumulative_length.copy_(first.cumulative_length)
-        return
-    growing = _STATES[whole]
-    while len(whole.layers) < len(growing.layers):
-        whole.layers.append(whole.layer_class_to_replicate())
-    for layer, shared in zip(whole.layers, growing.layers):
-        shared.finish(layer)
 
 
 def _joined(parts: list[Any]) -> Any:
@@ -159,12 +196,16 @@ def _joined(parts: list[Any]) -> Any:
 
 class _StaticRows(StaticLayer):
     """Rows [start, stop) of a whole `StaticLayer`: views of its tensors, so writes land in
-    place, with a length count of their own (each ubatch adds its tokens once)."""
+    place. Every ubatch writes at the whole layer's length, which it reads and does not
+    change; the call's end adds the tokens written once (in place: a graph replays it)."""
 
-    def __init__(self, whole: Any, start: int, stop: int, batch_size: int) -> None:
+    def __init__(
+        self, whole: Any, call: _Call, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
         self.__dict__.update(whole.__dict__)  # max_cache_len and, once initialized, the rest
         self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
-        self.cumulative_length = whole.cumulative_length.clone()
+        self.call, self.ubatch = call, ubatch
+        self.written: int | None = None
         if whole.is_initialized:
             _check_rows("StaticCache", whole.keys.shape[0], batch_size)
             self._take_views()
@@ -173,17 +214,31 @@ class _StaticRows(StaticLayer):
         """Initialize the whole layer (all rows, on the first write of any ubatch), then
         take this ubatch's views of it."""
         if not self.whole.is_initialized:
-            shape = (self.whole_batch, *key_states.shape[1:])
             self.whole.lazy_initialization(
-                key_states[:1].expand(shape),
+                key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
                 value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
             )
         self._take_views()
-        self.cumulative_length = self.cumulative_length.to(self.whole.device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`StaticLayer.update` on this ubatch's rows, leaving the length to the call's end."""
+        self.call.enter(self.ubatch)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self.keys, self.values
+        assert keys is not None and values is not None, "views taken at initialization"
+        length = key_states.shape[-2]
+        positions = torch.arange(length, device=self.device) + self.cumulative_length
+        keys.index_copy_(2, positions, key_states)
+        values.index_copy_(2, positions, value_states)
+        self.written = length
+        return keys, values
 
     def _take_views(self) -> None:
         whole = self.whole
-        for name in ("device", "num_heads", "k_head_dim", "v_head_dim"):
+        for name in ("device", "num_heads", "k_head_dim", "v_head_dim", "cumulative_length"):
             setattr(self, name, getattr(whole, name))
         self.batch_size = self.rows.stop - self.rows.start
         self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
@@ -329,9 +384,12 @@ class _GrowingRows(DynamicLayer):
     """Rows [start, stop) of a `_SharedLayer`, as one ubatch's DynamicLayer: an update
     writes the new tokens into the shared buffer and returns views of its rows."""
 
-    def __init__(self, shared: _SharedLayer, ubatch: int, start: int, stop: int) -> None:
+    def __init__(
+        self, shared: _SharedLayer, call: _Call, ubatch: int, start: int, stop: int
+    ) -> None:
         super().__init__()
-        self.shared, self.ubatch, self.rows = shared, ubatch, slice(start, stop)
+        self.shared, self.call = shared, call
+        self.ubatch, self.rows = ubatch, slice(start, stop)
         views = shared.view(ubatch, self.rows)
         if views is not None:
             self.keys, self.values = views
@@ -340,6 +398,7 @@ class _GrowingRows(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.call.enter(self.ubatch)
         keys, values = self.shared.append(self.ubatch, self.rows, key_states, value_states)
         self.keys, self.values = keys, values
         self.device, self.is_initialized = key_states.device, True
@@ -349,10 +408,11 @@ class _GrowingRows(DynamicLayer):
 class _NewLayer:
     """A ubatch cache's `layer_class_to_replicate`: its next layer, on the shared buffers."""
 
-    def __init__(self, growing: _Growing, child: Any, ubatch: int, start: int, stop: int) -> None:
-        self.growing, self.child, self.ubatch = growing, child, ubatch
+    def __init__(self, call: _Call, child: Any, ubatch: int, start: int, stop: int) -> None:
+        self.call, self.child, self.ubatch = call, child, ubatch
         self.start, self.stop = start, stop
 
     def __call__(self) -> _GrowingRows:
-        shared = self.growing.layer(len(self.child.layers))
-        return _GrowingRows(shared, self.ubatch, self.start, self.stop)
+        assert self.call.growing is not None, "a DynamicCache's call"
+        shared = self.call.growing.layer(len(self.child.layers))
+        return _GrowingRows(shared, self.call, self.ubatch, self.start, self.stop)

@@ -163,3 +163,53 @@ def test_a_cache_of_an_unsupported_kind_is_refused_naming_it() -> None:
         small = transformers.DynamicCache(config=model.config)
         model(ids[:2], attention_mask=mask[:2], cache=small, use_cache=True)
         step(ids, attention_mask=mask, cache=small, use_cache=True)
+
+
+def _own_decode_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any,
+                     new_tokens: int, fail_at: int | None = None) -> torch.Tensor:
+    """A decode loop of one's own: `dbo.overlap` of a function that returns only the logits
+    (not the cache); at step `fail_at` ubatch 1 raises after its forward, and the step is
+    run again."""
+    calls = [0]
+
+    def logits_of(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
+        logits = model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+        if calls[0] == fail_at and dbo.current_ubatch_id() == 1:
+            raise KeyError("injected")
+        return logits
+
+    step = dbo.overlap(logits_of, timeout_s=30)
+    rows, length = ids.shape
+    full = torch.cat([mask, torch.ones(rows, new_tokens, dtype=mask.dtype)], dim=1)
+    out, tokens = [ids], ids
+    with torch.no_grad():
+        for index in range(new_tokens):
+            calls[0] = index
+            try:
+                logits = step(tokens, full[:, : length + index], cache)
+            except KeyError:
+                calls[0] = -1
+                logits = step(tokens, full[:, : length + index], cache)
+            tokens = logits[:, -1:].argmax(-1)
+            out.append(tokens)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_an_own_decode_loop_that_returns_only_logits_keeps_the_cache_right(
+    cache_kind: str,
+) -> None:
+    """The cache is brought up to date as the ubatches return, whether or not the function
+    returns it; a call that raised leaves it as before, so the step can run again."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model("qwen3_moe")
+    ids, mask = prompts(5, 6, seed=4)
+    expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
+    for fail_at in (None, 0, 3):
+        if cache_kind == "static":
+            cache = transformers.StaticCache(config=model.config, max_cache_len=14)
+        else:
+            cache = transformers.DynamicCache(config=model.config)
+        got = _own_decode_loop(model, ids, mask, cache, 8, fail_at)
+        assert torch.equal(got, expected), fail_at
+        assert int(cache.get_seq_length()) == 6 + 8 - 1  # the last token is not fed back
