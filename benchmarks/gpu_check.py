@@ -6,7 +6,8 @@
 The steps (STEPS), each a subprocess with a timeout of its own: the preflight (torch sees
 a CUDA device; if not, the report says so and nothing else runs), `pytest -m gpu`, the
 fixed-shape MoE path under `set_sync_debug_mode("error")`, the MoE example on one NCCL
-rank (dynamic and fixed-shape), eager vs graph-replayed DBO at decode sizes, bf16 GEMMs
+rank (dynamic and fixed-shape), eager vs graph-replayed DBO at decode sizes, a captured
+decode step of a Hugging Face MoE model against eager DBO generation, bf16 GEMMs
 against `EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
 `num_alloc_retries`. The timeouts add up to about 7 minutes, so a run ends within 8
 whatever hangs. Written to OUTDIR: gpu_check.md, gpu_check.json (the same, with every
@@ -200,25 +201,42 @@ def _workspace(result: Result) -> tuple[list[Row], list[str]]:
              "time per call over torch.empty's; goal < 1")], problems
 
 
+def _generate_graph(result: Result) -> tuple[list[Row], list[str]]:
+    problems = []
+    if not result["captured"]:
+        problems.append(f"ran on {result['device']}: the decode steps were not captured")
+    if not result["tokens_equal"]:
+        problems.append("the replayed decode steps gave other tokens than eager DBO generation")
+    if not result["eager_loop_equal"]:
+        problems.append("the eager decode loop gave other tokens than eager DBO generation")
+    return [(f"a decode step of a HF MoE model ({result['rows']} rows, StaticCache, fixed-shape "
+             "MoE, one NCCL rank): eager DBO over its graph replay",
+             f"{result['graph_speedup']:.2f}x",
+             f"time per decode step; tokens equal to eager DBO generation: "
+             f"{result['tokens_equal']}")], problems
+
+
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
 STEPS = (
     Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
     Step("pytest", "the gpu-marked tests",
          ("-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
-          "--junitxml", "{out}/pytest.xml", "tests"), 170, _pytest, read_junit),
+          "--junitxml", "{out}/pytest.xml", "tests"), 150, _pytest, read_junit),
     Step("sync-debug", "no host sync in the fixed-shape MoE path under DBO",
          (*TORCHRUN, "benchmarks/moe_sync_debug.py", "--json"), 35, _sync_debug),
     Step("moe-dynamic", "the MoE example on NCCL, dynamic path",
-         (*TORCHRUN, *_EXAMPLE, "--out", "{out}/moe-dynamic"), 35, _moe("dynamic")),
+         (*TORCHRUN, *_EXAMPLE, "--out", "{out}/moe-dynamic"), 32, _moe("dynamic")),
     Step("moe-fixed", "the MoE example on NCCL, fixed-shape path",
-         (*TORCHRUN, *_EXAMPLE, "--fixed-capacity", "256", "--out", "{out}/moe-fixed"), 35,
+         (*TORCHRUN, *_EXAMPLE, "--fixed-capacity", "256", "--out", "{out}/moe-fixed"), 32,
          _moe("fixed-shape")),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
-         ("benchmarks/graph_replay.py", "--json"), 35, _graph),
+         ("benchmarks/graph_replay.py", "--json"), 33, _graph),
+    Step("generate-graph", "a captured decode step of a HF MoE model vs eager DBO generation",
+         (*TORCHRUN, "benchmarks/generate_graph.py", "--json"), 30, _generate_graph),
     Step("overlap", "communication hidden behind bf16 GEMMs",
          ("benchmarks/overlap_efficiency.py", "--device", "cuda", "--layers", "32",
           "--rounds", "7", "--configs", "0.1:0.1:2,0.2:0.2:2,0.5:0.5:2,1:1:2,2:2:2", "--json"),
-         50, _overlap),
+         45, _overlap),
     Step("workspace", "workspace views vs torch.empty",
          ("benchmarks/workspace_alloc.py", "--rounds", "5", "--calls", "1000", "--json"), 20,
          _workspace),
@@ -230,7 +248,8 @@ file system: the preflight, the first to import it, has the most room for it."""
 def _environment() -> dict[str, str]:
     """The steps import dbo, comm and workspace from this checkout, not installed."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    # DBO_IN_GPU_CHECK: gpu tests that run a step's script skip (the step runs it).
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "DBO_IN_GPU_CHECK": "1"}
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:

@@ -3,6 +3,9 @@ with each ubatch on its own rows of the KV cache (`dbo.hf`, `dbo._hf_cache`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -213,3 +216,20 @@ def test_an_own_decode_loop_that_returns_only_logits_keeps_the_cache_right(
         got = _own_decode_loop(model, ids, mask, cache, 8, fail_at)
         assert torch.equal(got, expected), fail_at
         assert int(cache.get_seq_length()) == 6 + 8 - 1  # the last token is not fed back
+
+
+@pytest.mark.timeout(120)
+def test_the_generate_graph_script_runs_its_eager_loop_on_cpu() -> None:
+    """On CPU the script checks its own decode loop (eager DBO) against generate; on CUDA
+    (tests/gpu/test_generate_graph.py) the decode steps are graph replays."""
+    root = Path(__file__).resolve().parents[2]
+    completed = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "generate_graph.py"), "--rows", "4",
+         "--new-tokens", "4", "--json"],
+        capture_output=True, text=True, timeout=100,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert result["device"] == "cpu" and result["captured"] is False
+    assert result["tokens_equal"] is True and result["eager_loop_equal"] is True
