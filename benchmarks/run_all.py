@@ -64,12 +64,11 @@ def _workspace_rows(result: dict[str, Any]) -> list[Row]:
 
 def _handoff_rows(result: dict[str, Any]) -> list[Row]:
     us = result["us_per_handoff"]
-    return [
-        ("baton handoff (`dbo.yield_`) vs a raw `_thread` lock ping-pong",
-         f"{us['dbo'] / us['raw_lock']:.2f}", "time per handoff over the lock's; goal <= 1"),
-        ("baton handoff vs a `threading.Event` ring", f"{us['dbo'] / us['event_ring']:.2f}",
-         "time per handoff over the Event ring's; < 1: faster than the naive handoff"),
-    ]
+    return [(
+        "baton handoff (`dbo.yield_`) vs a raw `_thread` lock ping-pong / a `threading.Event` "
+        "ring", f"{us['dbo'] / us['raw_lock']:.2f} / {us['dbo'] / us['event_ring']:.2f}",
+        "time per handoff over theirs; goal <= 1 against the lock",
+    )]
 
 
 def _wakeup_rows(result: dict[str, Any]) -> list[Row]:
@@ -84,27 +83,32 @@ def _wakeup_rows(result: dict[str, Any]) -> list[Row]:
 
 
 def _overlap_rows(result: dict[str, Any]) -> list[Row]:
-    rows = []
-    for num_ubatches in OVERLAP_UBATCHES:
+    """One row: per ubatch count (separated by ';'), the hidden fraction at each size."""
+    counts = sorted({row["num_ubatches"] for row in result["rows"]})
+    per_count = []
+    for num_ubatches in counts:
         hidden = {
             row["m_ms"]: row["hidden"] for row in result["rows"]
             if row["num_ubatches"] == num_ubatches and row["c_nominal_ms"] == row["m_ms"]
         }
-        rows.append((
-            f"overlap on an emulated link, {num_ubatches} ubatches, c = m = "
-            + " / ".join(f"{size:g}" for size in OVERLAP_SIZES_MS) + " ms",
-            " / ".join(f"{hidden[size]:.2f}" for size in OVERLAP_SIZES_MS),
-            "hidden fraction (serial - DBO) / (serial - ideal); 1 = all hideable comm hidden",
-        ))
-    return rows
+        per_count.append(" / ".join(f"{hidden[size]:.2f}" for size in sorted(hidden)))
+    sizes = sorted({row["m_ms"] for row in result["rows"] if row["c_nominal_ms"] == row["m_ms"]})
+    return [(
+        "overlap on an emulated link, " + " ; ".join(map(str, counts)) + " ubatches, c = m = "
+        + " / ".join(f"{size:g}" for size in sizes) + " ms",
+        " ; ".join(per_count),
+        "hidden fraction (serial - DBO) / (serial - ideal); 1 = all hideable comm hidden",
+    )]
 
 
 def _host_rows(result: dict[str, Any]) -> list[Row]:
-    return [
-        (f"host cost per call: {row['label']}", f"{row['ours_us'] / row['bare_us']:.2f}",
-         f"host time over the bare op's (1 = nothing added; {row['added_us']:+.1f} us per call)")
-        for row in result["rows"]
-    ]
+    rows = result["rows"]
+    return [(
+        "host cost per call: " + " / ".join(row["label"] for row in rows),
+        " / ".join(f"{row['ours_us'] / row['bare_us']:.2f}" for row in rows),
+        "host time over the bare op's (1 = nothing added; "
+        + " / ".join(f"{row['added_us']:+.1f}" for row in rows) + " us per call)",
+    )]
 
 
 def _comm_rows(result: dict[str, Any]) -> list[Row]:

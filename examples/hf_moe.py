@@ -41,7 +41,7 @@ def build_model(
     common: dict[str, Any] = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        num_experts_per_tok=topk, use_cache=False,  # a cache does not merge across ubatches
+        num_experts_per_tok=topk, use_cache=False,  # forward passes only: no KV cache
     )
     if kind == "mixtral":
         config: Any = transformers.MixtralConfig(num_local_experts=experts, **common)
