@@ -2,18 +2,17 @@
 cache the caller holds, and that cache stays a true cache of every row after each call.
 
 - `StaticCache` (preallocated `[B, H, max_len, D]` per layer): ubatch i gets views of its
-  rows, so its writes land in place, at the caller's layer's length; after the call the
-  merge adds the tokens written to that length (in place: a captured graph replays it).
+  rows, so its writes land in place, at the caller's layer's length; when the call ends
+  that length advances by the tokens written (in place: a captured graph replays it).
   Nothing is copied.
 - `DynamicCache` (grows by one `torch.cat` of the whole layer per call in `transformers`):
-  each layer's keys and values live in a `[B, H, capacity, D]` buffer with room to grow;
-  the caller's layer holds a view of the filled part, each ubatch a view of its rows, and a
-  call writes only its new tokens. A buffer grows by half again when full (one copy).
-  When the caller's cache was changed outside an overlap (a `crop`, an inline call), its
-  layer no longer holds the buffer's view and the buffer is made anew from its contents.
+  each layer's keys and values live in a `[B, H, capacity, D]` buffer with room to grow
+  (`dbo._hf_growing`); the caller's layer holds a view of the filled part, each ubatch a
+  view of its rows, and a call writes only its new tokens.
 
-Caches of other kinds, layers of other kinds (sliding windows, quantized, linear
-attention) and offloading are refused with an error naming them. Caches that the
+The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
+or not the function returns the cache. Caches of other kinds, layers of other kinds
+(sliding windows, quantized, linear attention) and offloading are refused, named. Caches that the
 ubatches create themselves (a forward called without one, `use_cache=True`) are joined
 once along the batch. This module imports `transformers`: `dbo` imports it only once
 `transformers` is (a cache is met, or `dbo.hf` is used).
@@ -22,7 +21,6 @@ once along the batch. This module imports `transformers`: `dbo` imports it only 
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any
 
 import torch
@@ -35,6 +33,7 @@ from transformers.cache_utils import (
 )
 
 from dbo import stateful
+from dbo._hf_growing import Growing, GrowingRows, NewLayer, check_rows, growing_state
 from dbo.api import at_ubatch_exit
 
 _REGISTERED = False
@@ -62,13 +61,13 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
             for ubatch, (start, stop) in enumerate(bounds)
         ]
         return call.children
-    call.growing = growing = _growing_state(cache, batch_size, len(rows))
+    call.growing = growing = growing_state(cache, batch_size, len(rows))
     for ubatch, (start, stop) in enumerate(bounds):
         child = _child(cache, call, [])
-        child.layers = [_GrowingRows(shared, call, ubatch, start, stop)
+        child.layers = [GrowingRows(shared, call, ubatch, start, stop)
                         for shared in growing.layers]
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
-            child.layer_class_to_replicate = _NewLayer(call, child, ubatch, start, stop)
+            child.layer_class_to_replicate = NewLayer(call, child, ubatch, start, stop)
         call.children.append(child)
     return call.children
 
@@ -94,7 +93,7 @@ class _Call:
         self.entered = [False] * num_ubatches
         self.returned = 0
         self.children: list[Any] = []
-        self.growing: _Growing | None = None
+        self.growing: Growing | None = None
 
     def enter(self, ubatch: int) -> None:
         if not self.entered[ubatch]:
@@ -157,14 +156,6 @@ def _child(cache: Any, call: _Call, layers: list[Any]) -> Any:
     return child
 
 
-def _check_rows(kind: str, have: int, batch_size: int) -> None:
-    if have != batch_size:
-        raise ValueError(
-            f"the {kind} passed to dbo.overlap holds {have} rows but the batch has "
-            f"{batch_size}; pass a cache made for this batch (a new generate starts a new one)"
-        )
-
-
 def _joined(parts: list[Any]) -> Any:
     """Dynamic caches the ubatches made themselves, one cache of every row (one copy)."""
     if not all(type(part) is DynamicCache for part in parts) or len(
@@ -207,7 +198,7 @@ class _StaticRows(StaticLayer):
         self.call, self.ubatch = call, ubatch
         self.written: int | None = None
         if whole.is_initialized:
-            _check_rows("StaticCache", whole.keys.shape[0], batch_size)
+            check_rows("StaticCache", whole.keys.shape[0], batch_size)
             self._take_views()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -243,176 +234,3 @@ class _StaticRows(StaticLayer):
         self.batch_size = self.rows.stop - self.rows.start
         self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
         self.is_initialized = True
-
-
-class _SharedLayer:
-    """One layer's keys and values for every row of a DynamicCache: `[B, H, capacity, D]`
-    buffers. The caller's layer holds `whole_keys`/`whole_values`, views of the filled
-    part; during a call each ubatch appends to its rows from its own length."""
-
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.length = 0
-        self.whole_keys: torch.Tensor | None = None
-        self.lengths: list[int] = []
-        self.bytes_written = 0  # new tokens, and the copies of growth and refill
-
-    def holds(self, layer: Any) -> bool:
-        """Whether `layer` holds this buffer's view (nothing changed it since the last call)."""
-        if self.whole_keys is None:
-            return not layer.is_initialized
-        return layer.keys is self.whole_keys
-
-    def refill(self, layer: Any) -> None:
-        """Make the buffers anew from `layer`'s contents (one copy)."""
-        self.keys = self.values = self.whole_keys = None
-        self.length = layer.get_seq_length() if layer.is_initialized else 0
-        if self.length:
-            _check_rows("DynamicCache", layer.keys.shape[0], self.batch_size)
-            self._allocate(layer.keys, layer.values, self.length)
-            self.keys[:, :, : self.length].copy_(layer.keys)  # type: ignore[index]
-            self.values[:, :, : self.length].copy_(layer.values)  # type: ignore[index]
-            self.bytes_written += layer.keys.nbytes + layer.values.nbytes
-            self.whole_keys = layer.keys
-
-    def start(self, num_ubatches: int) -> None:
-        self.lengths = [self.length] * num_ubatches
-
-    def view(self, ubatch: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.keys is None or self.values is None or self.lengths[ubatch] == 0:
-            return None
-        end = self.lengths[ubatch]
-        return self.keys[rows, :, :end], self.values[rows, :, :end]
-
-    def append(
-        self, ubatch: int, rows: slice, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
-            raise RuntimeError(
-                "dbo's split DynamicCache writes each ubatch's keys and values in place, which "
-                "autograd cannot follow; run generation under torch.no_grad(), or pass "
-                "use_cache=False when training"
-            )
-        begin = self.lengths[ubatch]
-        end = begin + keys.shape[-2]
-        if self.keys is None or end > self.keys.shape[2]:
-            self._allocate(keys, values, end)
-        assert self.keys is not None and self.values is not None, "allocated above"
-        self.keys[rows, :, begin:end].copy_(keys)
-        self.values[rows, :, begin:end].copy_(values)
-        self.bytes_written += keys.nbytes + values.nbytes
-        self.lengths[ubatch] = end
-        return self.keys[rows, :, :end], self.values[rows, :, :end]
-
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
-        """Buffers for `needed` tokens and half as many again (64 at least), keeping what is
-        filled: the longest length of any ubatch, or of the caller's layer."""
-        capacity = needed + max(needed // 2, 64)
-        old = (self.keys, self.values)
-        filled = max(self.lengths, default=self.length) if old[0] is not None else 0
-        new = []
-        for source, buffer in zip((keys, values), old):
-            shape = (self.batch_size, source.shape[1], capacity, source.shape[-1])
-            grown = torch.empty(shape, dtype=source.dtype, device=source.device)
-            if buffer is not None and filled:
-                grown[:, :, :filled].copy_(buffer[:, :, :filled])
-                self.bytes_written += buffer[:, :, :filled].nbytes
-            new.append(grown)
-        self.keys, self.values = new
-
-    def finish(self, layer: Any) -> None:
-        """After a call: the caller's layer holds views of the filled part."""
-        if not self.lengths or self.keys is None or self.values is None:
-            return
-        if len(set(self.lengths)) != 1:
-            raise RuntimeError(
-                f"the ubatches wrote different numbers of tokens into one cache layer "
-                f"({self.lengths}); each must run the same forward on its rows"
-            )
-        self.length = self.lengths[0]
-        if not layer.is_initialized:
-            layer.lazy_initialization(self.keys, self.values)
-        layer.keys = self.keys[:, :, : self.length]
-        layer.values = self.values[:, :, : self.length]
-        self.whole_keys = layer.keys
-
-
-class _Growing:
-    """The buffers of one DynamicCache, one `_SharedLayer` per layer."""
-
-    def __init__(self, batch_size: int) -> None:
-        self.batch_size = batch_size
-        self.layers: list[_SharedLayer] = []
-        self.num_ubatches = 0
-
-    def layer(self, index: int) -> _SharedLayer:
-        while len(self.layers) <= index:
-            shared = _SharedLayer(self.batch_size)
-            shared.start(self.num_ubatches)
-            self.layers.append(shared)
-        return self.layers[index]
-
-
-_STATES: weakref.WeakKeyDictionary[Any, _Growing] = weakref.WeakKeyDictionary()
-"""Each DynamicCache's buffers (they live as long as the cache)."""
-
-
-def bytes_written(cache: Any) -> int:
-    """What dbo wrote into the buffers of a DynamicCache it split (0 for any other cache)."""
-    growing = _STATES.get(cache)
-    return 0 if growing is None else sum(shared.bytes_written for shared in growing.layers)
-
-
-def _growing_state(cache: Any, batch_size: int, num_ubatches: int) -> _Growing:
-    """The buffers of `cache`, each layer's made anew where the cache changed since."""
-    growing = _STATES.get(cache)
-    if growing is None or growing.batch_size != batch_size:
-        growing = _STATES[cache] = _Growing(batch_size)
-    growing.num_ubatches = num_ubatches
-    for index, layer in enumerate(cache.layers):
-        shared = growing.layer(index)
-        if not shared.holds(layer):
-            shared.refill(layer)
-    for shared in growing.layers:
-        shared.start(num_ubatches)
-    return growing
-
-
-class _GrowingRows(DynamicLayer):
-    """Rows [start, stop) of a `_SharedLayer`, as one ubatch's DynamicLayer: an update
-    writes the new tokens into the shared buffer and returns views of its rows."""
-
-    def __init__(
-        self, shared: _SharedLayer, call: _Call, ubatch: int, start: int, stop: int
-    ) -> None:
-        super().__init__()
-        self.shared, self.call = shared, call
-        self.ubatch, self.rows = ubatch, slice(start, stop)
-        views = shared.view(ubatch, self.rows)
-        if views is not None:
-            self.keys, self.values = views
-            self.device, self.is_initialized = self.keys.device, True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.call.enter(self.ubatch)
-        keys, values = self.shared.append(self.ubatch, self.rows, key_states, value_states)
-        self.keys, self.values = keys, values
-        self.device, self.is_initialized = key_states.device, True
-        return self.keys, self.values
-
-
-class _NewLayer:
-    """A ubatch cache's `layer_class_to_replicate`: its next layer, on the shared buffers."""
-
-    def __init__(self, call: _Call, child: Any, ubatch: int, start: int, stop: int) -> None:
-        self.call, self.child, self.ubatch = call, child, ubatch
-        self.start, self.stop = start, stop
-
-    def __call__(self) -> _GrowingRows:
-        assert self.call.growing is not None, "a DynamicCache's call"
-        shared = self.call.growing.layer(len(self.child.layers))
-        return _GrowingRows(shared, self.call, self.ubatch, self.start, self.stop)

@@ -9,6 +9,18 @@ batch rows into ubatches; each ubatch works on its own rows of the KV cache (the
 rule of `dbo`'s transformers caches: views, written in place, nothing merged back), and
 the tokens are those of `generate` without DBO. `transformers` is imported only when a
 model is passed in, never by `import dbo`.
+
+A decode loop of one's own gets the same cache handling from `dbo.overlap`: pass the
+cache as an argument (it is split by rows; the caller's cache is up to date after each
+call, whether or not the function returns it):
+
+    cache = transformers.DynamicCache(config=model.config)   # or StaticCache(...)
+    step = dbo.overlap(model.forward, decision_group=group)
+    logits = step(ids, attention_mask=mask, cache=cache, use_cache=True).logits
+    for _ in range(new_tokens - 1):
+        token = logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+        logits = step(token, attention_mask=mask, cache=cache, use_cache=True).logits
 """
 
 from __future__ import annotations
@@ -133,9 +145,9 @@ def cache_bytes_written(cache: Any) -> int:
     `transformers`' own DynamicLayer (the whole layer, every call)."""
     if "transformers" not in sys.modules:
         return 0
-    from dbo import _hf_cache
+    from dbo import _hf_growing
 
-    return _hf_cache.bytes_written(cache)
+    return _hf_growing.bytes_written(cache)
 
 
 def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
