@@ -9,10 +9,14 @@ fixed-shape MoE path under `set_sync_debug_mode("error")`, the MoE example on on
 rank (dynamic and fixed-shape), eager vs graph-replayed DBO at decode sizes, a captured
 decode step of a Hugging Face MoE model against eager DBO generation, bf16 GEMMs
 against `EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
-`num_alloc_retries`. The timeouts add up to about 7 minutes, so a run ends within 8
-whatever hangs. Written to OUTDIR: gpu_check.md, gpu_check.json (the same, with every
-step's result), <step>.log. Exit status 0 when every step passed, else 1: a step failed,
-timed out or did not run, a result was wrong, or a goal was missed.
+`num_alloc_retries`. The run keeps to a budget of 7 minutes (`BUDGET_S`) whatever hangs:
+each step's limit is cut to what is left, a step with no time left is reported as not
+run, and a preflight that timed out or crashed (a cold start) runs once more. The NCCL
+steps run as rank 0 of a world of one (the env:// variables set here, no torchrun).
+Written to OUTDIR after every step (a killed run still leaves a whole report, the steps
+not reached marked not run): gpu_check.md, gpu_check.json (the same, with every step's
+result), <step>.log. Exit status 0 when every step passed, else 1: a step failed, timed
+out or did not run, a result was wrong, or a goal was missed.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,10 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 Row = tuple[str, str, str]
 """(what is measured, the value, what it means / the goal)."""
 Result = dict[str, Any]
-TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1")
 HIDDEN_GOAL, HIDDEN_GOAL_FROM_MS = 0.95, 0.2
-BUDGET_S = 450.0
-"""The most the steps may take together, their kill grace included (8 minutes less 30 s)."""
+BUDGET_S = 420.0
+"""The most the steps may take together (7 minutes): each step's limit is cut to what is
+left of it, and the steps it leaves no time for are reported as not run."""
+MIN_STEP_S = 5.0
+"""A step is started only with at least this much of the budget left."""
 KILL_GRACE_S = 3.0
 """After a timeout: SIGTERM to the step's process group, SIGKILL this much later
 (torchrun ends its workers, which run in sessions of their own, on SIGTERM only)."""
@@ -54,6 +62,9 @@ class Step:
     timeout_s: float
     judge: Callable[[Result], tuple[list[Row], list[str]]]  # (rows, problems)
     parse: Callable[[str, Path], Result | None] = lambda output, out: last_json_line(output)
+    world_of_one: bool = False
+    """Run as rank 0 of a world of one: the env:// variables torchrun would set, set here
+    (one interpreter, no torchrun agent to start or to outlive its timeout)."""
 
 
 def last_json_line(output: str) -> Result | None:
@@ -89,11 +100,12 @@ def _preflight(result: Result) -> tuple[list[Row], list[str]]:
 
 
 def read_junit(output: str, out: Path) -> Result | None:
-    """Passed, failed, errored and skipped tests from pytest's JUnit XML."""
+    """Passed, failed, errored and skipped tests from pytest's JUnit XML; when pytest did
+    not write it (killed at its timeout), from the `-v` lines of its output."""
     try:
         root = ElementTree.parse(out / "pytest.xml").getroot()
     except (OSError, ElementTree.ParseError):  # not written, or cut short by the timeout
-        return None
+        return read_verbose_log(output)
     result: Result = {"passed": 0, "failed": [], "errors": [], "skipped": {}}
     for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
@@ -109,12 +121,44 @@ def read_junit(output: str, out: Path) -> Result | None:
     return result
 
 
+_VERBOSE_LINE = re.compile(
+    r"^(?P<test>\S+::\S+) (?P<status>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
+    r"(?: \((?P<reason>.*)\))?"
+)
+
+
+def read_verbose_log(output: str) -> Result | None:
+    """The per-test results `pytest -v` printed (None: no test line at all). A test whose
+    line has no status yet was running when the step ended: it is listed as such."""
+    result: Result = {"passed": 0, "failed": [], "errors": [], "skipped": {}, "running": []}
+    seen = False
+    for line in output.splitlines():
+        match = _VERBOSE_LINE.match(line)
+        if match is None:
+            if "::" in line and line.startswith("tests/") and " " not in line.strip():
+                result["running"] = [line.strip()]  # started, no status: the last one ran
+            continue
+        seen = True
+        result["running"] = []
+        test, status = match["test"], match["status"]
+        if status in ("PASSED", "XFAIL", "XPASS"):
+            result["passed"] += 1
+        elif status == "FAILED":
+            result["failed"].append(test)
+        elif status == "ERROR":
+            result["errors"].append(test)
+        else:
+            result["skipped"][test] = match["reason"] or ""
+    return result if seen or result["running"] else None
+
+
 def _pytest(result: Result) -> tuple[list[Row], list[str]]:
     failed, errors, skipped = result["failed"], result["errors"], result["skipped"]
     counts = (f"{result['passed']} passed, {len(failed)} failed, {len(errors)} errors, "
               f"{len(skipped)} skipped")
     reasons = "; ".join(sorted(set(skipped.values()))) or "none"
     problems = [f"failed: {name}" for name in failed] + [f"error: {name}" for name in errors]
+    problems += [f"still running when the step ended: {name}" for name in result.get("running", [])]
     if result["passed"] == 0:
         problems.append("no gpu test passed")
     return [("`pytest -m gpu tests`", counts, f"every gpu test passes; skip reasons: {reasons}")
@@ -223,16 +267,16 @@ STEPS = (
          ("-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
           "--junitxml", "{out}/pytest.xml", "tests"), 150, _pytest, read_junit),
     Step("sync-debug", "no host sync in the fixed-shape MoE path under DBO",
-         (*TORCHRUN, "benchmarks/moe_sync_debug.py", "--json"), 35, _sync_debug),
+         ("benchmarks/moe_sync_debug.py", "--json"), 35, _sync_debug, world_of_one=True),
     Step("moe-dynamic", "the MoE example on NCCL, dynamic path",
-         (*TORCHRUN, *_EXAMPLE, "--out", "{out}/moe-dynamic"), 32, _moe("dynamic")),
+         (*_EXAMPLE, "--out", "{out}/moe-dynamic"), 32, _moe("dynamic"), world_of_one=True),
     Step("moe-fixed", "the MoE example on NCCL, fixed-shape path",
-         (*TORCHRUN, *_EXAMPLE, "--fixed-capacity", "256", "--out", "{out}/moe-fixed"), 32,
-         _moe("fixed-shape")),
+         (*_EXAMPLE, "--fixed-capacity", "256", "--out", "{out}/moe-fixed"), 32,
+         _moe("fixed-shape"), world_of_one=True),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
          ("benchmarks/graph_replay.py", "--json"), 33, _graph),
     Step("generate-graph", "a captured decode step of a HF MoE model vs eager DBO generation",
-         (*TORCHRUN, "benchmarks/generate_graph.py", "--json"), 30, _generate_graph),
+         ("benchmarks/generate_graph.py", "--json"), 30, _generate_graph, world_of_one=True),
     Step("overlap", "communication hidden behind bf16 GEMMs",
          ("benchmarks/overlap_efficiency.py", "--device", "cuda", "--layers", "32",
           "--rounds", "7", "--configs", "0.1:0.1:2,0.2:0.2:2,0.5:0.5:2,1:1:2,2:2:2", "--json"),
@@ -245,11 +289,26 @@ STEPS = (
 file system: the preflight, the first to import it, has the most room for it."""
 
 
-def _environment() -> dict[str, str]:
-    """The steps import dbo, comm and workspace from this checkout, not installed."""
+def _environment(out: Path, world_of_one: bool) -> dict[str, str]:
+    """The steps' environment: dbo, comm and workspace from this checkout (not installed);
+    matplotlib drawing to files with a writable cache; NCCL warnings only (unless set);
+    for a world of one, what torchrun would set, on a free port."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    # DBO_IN_GPU_CHECK: gpu tests that run a step's script skip (the step runs it).
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "DBO_IN_GPU_CHECK": "1"}
+    (out / "mplconfig").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
+           "DBO_IN_GPU_CHECK": "1",  # gpu tests that run a step's script skip: the step runs it
+           "MPLBACKEND": "Agg", "MPLCONFIGDIR": str(out / "mplconfig")}
+    env.setdefault("NCCL_DEBUG", "WARN")
+    if world_of_one:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
@@ -269,9 +328,12 @@ def _record(name: str, title: str, status: str, why: str = "", **fields: Any) ->
             **fields}
 
 
-def judge_step(step: Step, returncode: int | None, output: str, out: Path) -> Result:
-    """The record of a step that ended with `returncode` (None: killed at its timeout)
-    after printing `output`: its status, why, the rows and problems its judge found."""
+def judge_step(
+    step: Step, returncode: int | None, output: str, out: Path, limit_s: float | None = None
+) -> Result:
+    """The record of a step that ended with `returncode` (None: killed at its timeout,
+    `limit_s` or its own) after printing `output`: its status, why, the rows and problems
+    its judge found."""
     result = step.parse(output, out)
     rows: list[Row] = []
     problems: list[str] = []
@@ -281,7 +343,7 @@ def judge_step(step: Step, returncode: int | None, output: str, out: Path) -> Re
         except Exception as error:  # a result of another shape: report it, write the report
             problems = [f"unexpected result ({type(error).__name__}: {error})"]
     if returncode is None:
-        status, why = "timed out", f"timed out after {step.timeout_s:g} s"
+        status, why = "timed out", f"timed out after {limit_s or step.timeout_s:g} s"
     elif returncode != 0:
         status, why = "failed", f"exit status {returncode}"
     elif result is None:
@@ -293,8 +355,10 @@ def judge_step(step: Step, returncode: int | None, output: str, out: Path) -> Re
                    result=result, tail=output.splitlines()[-20:] if crashed else [])
 
 
-def run_step(step: Step, out: Path) -> Result:
-    """Run one step in a process group of its own, its output in OUTDIR/<name>.log."""
+def run_step(step: Step, out: Path, timeout_s: float | None = None) -> Result:
+    """Run one step in a process group of its own, its output in OUTDIR/<name>.log, for at
+    most `timeout_s` (default: the step's own limit)."""
+    limit_s = step.timeout_s if timeout_s is None else min(step.timeout_s, timeout_s)
     argv = [sys.executable, *(arg.replace("{out}", str(out)) for arg in step.argv)]
     log = out / f"{step.name}.log"
     (out / f"{step.name}.xml").unlink(missing_ok=True)  # a report of an earlier run
@@ -302,14 +366,14 @@ def run_step(step: Step, out: Path) -> Result:
     with log.open("wb") as sink:
         process = subprocess.Popen(
             argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-            env=_environment(),
+            env=_environment(out, step.world_of_one),
         )
         try:
-            returncode: int | None = process.wait(timeout=step.timeout_s)
+            returncode: int | None = process.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             returncode = None
             _kill_group(process)
-    record = judge_step(step, returncode, log.read_text(errors="replace"), out)
+    record = judge_step(step, returncode, log.read_text(errors="replace"), out, limit_s)
     command = shlex.join(["python", *argv[1:]]) if step.name != "preflight" else ""
     record.update(seconds=round(time.monotonic() - begin, 1), log=log.name, command=command)
     return record
@@ -400,26 +464,47 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     started, begin = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
+    command = shlex.join(["python", "benchmarks/gpu_check.py", *argv])
+    steps = [step for step in STEPS if step.name in chosen]
     records: list[Result] = []
-    for index, step in enumerate(step for step in STEPS if step.name in chosen):
+    for index, step in enumerate(steps):
+        _write_report(out, records, steps[index:], started, begin, command)  # if killed now
+        left_s = BUDGET_S - (time.monotonic() - begin)
         if records and records[0]["status"] != "passed":
             records.append(_record(step.name, step.title, "not run", "the preflight did not pass"))
             continue
-        print(f"[{index + 1}] {step.name}: {step.title} (at most {step.timeout_s:g} s) ...",
-              file=sys.stderr, flush=True)
-        records.append(run_step(step, out))
-        print(f"    {records[-1]['status']} in {records[-1]['seconds']:.0f} s"
-              + (f": {records[-1]['why']}" if records[-1]["why"] else ""),
-              file=sys.stderr, flush=True)
-    records.append(alloc_retries(records))
-    command = shlex.join(["python", "benchmarks/gpu_check.py", *argv])
-    markdown, data = report(records, started, time.monotonic() - begin, command)
-    (out / "gpu_check.md").write_text(markdown)
-    (out / "gpu_check.json").write_text(json.dumps(data, indent=1))
-    print(markdown)
+        if left_s < MIN_STEP_S:
+            records.append(_record(step.name, step.title, "not run",
+                                   f"the {BUDGET_S:g} s budget of the check was spent"))
+            continue
+        print(f"[{index + 1}] {step.name}: {step.title} (at most {min(step.timeout_s, left_s):.0f}"
+              " s) ...", file=sys.stderr, flush=True)
+        record = run_step(step, out, left_s)
+        if step.name == "preflight" and record["result"] is None:  # timed out or crashed:
+            print(f"    {record['status']}: {record['why']}; once more (a cold start)",
+                  file=sys.stderr, flush=True)  # a cold import of torch and CUDA is slow
+            record = run_step(step, out, BUDGET_S - (time.monotonic() - begin))
+        records.append(record)
+        print(f"    {record['status']} in {record['seconds']:.0f} s"
+              + (f": {record['why']}" if record["why"] else ""), file=sys.stderr, flush=True)
+    data = _write_report(out, records, [], started, begin, command)
+    print((out / "gpu_check.md").read_text())
     if not data["passed"]:
         print(f"gpu_check: {data['verdict']}; report: {out / 'gpu_check.md'}", file=sys.stderr)
     return 0 if data["passed"] else 1
+
+
+def _write_report(out: Path, records: list[Result], pending: list[Step],
+                  started: datetime.datetime, begin: float, command: str) -> Result:
+    """Write gpu_check.md and .json for the steps run so far, the `pending` ones as not run
+    (so that a run killed now still leaves a whole report); the JSON object."""
+    stopped = [_record(step.name, step.title, "not run", "the check ended before this step")
+               for step in pending]
+    markdown, data = report([*records, *stopped, alloc_retries(records)], started,
+                            time.monotonic() - begin, command)
+    (out / "gpu_check.md").write_text(markdown)
+    (out / "gpu_check.json").write_text(json.dumps(data, indent=1))
+    return data
 
 
 if __name__ == "__main__":
