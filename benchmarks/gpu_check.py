@@ -93,6 +93,27 @@ print(json.dumps(facts))
 """
 
 
+NCCL_SMOKE = """
+import json, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+x = torch.ones(4, device="cuda")
+dist.all_reduce(x)
+torch.cuda.synchronize()
+ok = bool((x == 1).all())
+dist.destroy_process_group()
+print(json.dumps({"nccl_ok": ok}))
+"""
+
+NCCL_RECIPE = {"NCCL_CUMEM_ENABLE": "0", "NCCL_SHM_DISABLE": "1", "NCCL_P2P_DISABLE": "1"}
+"""What the check sets for every later step when NCCL does not start as it is (sandboxed
+machines without cuMem, shared memory or peer access): `NCCL_SMOKE` runs again with it."""
+
+
+def _nccl(result: Result) -> tuple[list[Row], list[str]]:
+    return [], [] if result["nccl_ok"] else ["an all_reduce of ones over one rank was not ones"]
+
+
 def _preflight(result: Result) -> tuple[list[Row], list[str]]:
     return [], [] if result["cuda_available"] else [
         f"no CUDA device (torch {result['torch']}: torch.cuda.is_available() is False); "
@@ -263,6 +284,8 @@ def _generate_graph(result: Result) -> tuple[list[Row], list[str]]:
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
 STEPS = (
     Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
+    Step("nccl", "NCCL starts: one all_reduce in a world of one", ("-c", NCCL_SMOKE), 25,
+         _nccl, world_of_one=True),
     Step("pytest", "the gpu-marked tests",
          ("-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
           "--junitxml", "{out}/pytest.xml", "tests"), 150, _pytest, read_junit),
@@ -289,7 +312,7 @@ STEPS = (
 file system: the preflight, the first to import it, has the most room for it."""
 
 
-def _environment(out: Path, world_of_one: bool) -> dict[str, str]:
+def _environment(out: Path, world_of_one: bool, extra: dict[str, str]) -> dict[str, str]:
     """The steps' environment: dbo, comm and workspace from this checkout (not installed);
     matplotlib drawing to files with a writable cache; NCCL warnings only (unless set);
     for a world of one, what torchrun would set, on a free port."""
@@ -299,6 +322,7 @@ def _environment(out: Path, world_of_one: bool) -> dict[str, str]:
            "DBO_IN_GPU_CHECK": "1",  # gpu tests that run a step's script skip: the step runs it
            "MPLBACKEND": "Agg", "MPLCONFIGDIR": str(out / "mplconfig")}
     env.setdefault("NCCL_DEBUG", "WARN")
+    env.update(extra)
     if world_of_one:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -355,9 +379,11 @@ def judge_step(
                    result=result, tail=output.splitlines()[-20:] if crashed else [])
 
 
-def run_step(step: Step, out: Path, timeout_s: float | None = None) -> Result:
+def run_step(
+    step: Step, out: Path, timeout_s: float | None = None, extra_env: dict[str, str] | None = None
+) -> Result:
     """Run one step in a process group of its own, its output in OUTDIR/<name>.log, for at
-    most `timeout_s` (default: the step's own limit)."""
+    most `timeout_s` (default: the step's own limit), with `extra_env` set."""
     limit_s = step.timeout_s if timeout_s is None else min(step.timeout_s, timeout_s)
     argv = [sys.executable, *(arg.replace("{out}", str(out)) for arg in step.argv)]
     log = out / f"{step.name}.log"
@@ -366,7 +392,7 @@ def run_step(step: Step, out: Path, timeout_s: float | None = None) -> Result:
     with log.open("wb") as sink:
         process = subprocess.Popen(
             argv, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-            env=_environment(out, step.world_of_one),
+            env=_environment(out, step.world_of_one, extra_env or {}),
         )
         try:
             returncode: int | None = process.wait(timeout=limit_s)
@@ -412,6 +438,23 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [line(header), "|" + "---|" * len(header), *map(line, rows)]
 
 
+KEY_STEPS = ("overlap", "graph", "generate-graph", "moe-fixed", "moe-dynamic")
+"""The steps whose first row is a key figure in the report's opening sentence."""
+
+
+def _summary(records: list[Result]) -> str:
+    """One sentence: which steps passed, which did not and why, and the key figures."""
+    passed = [r["name"] for r in records if r["status"] == "passed"]
+    others = [f"{r['name']} {r['status']} ({r['why']})" for r in records
+              if r["status"] != "passed"]
+    key = [f"{r['name']} {r['rows'][0][1]}" for name in KEY_STEPS for r in records
+           if r["name"] == name and r["rows"]]
+    sentence = f"{len(passed)} of {len(records)} steps passed"
+    sentence += f" ({', '.join(passed)})" if passed else ""
+    sentence += f"; {'; '.join(others)}" if others else ""
+    return sentence + (f". Key figures: {'; '.join(key)}." if key else ".")
+
+
 def report(records: list[Result], started: datetime.datetime, total_s: float,
            command: str) -> tuple[str, Result]:
     """The Markdown report and the JSON object of a run's step records."""
@@ -425,7 +468,8 @@ def report(records: list[Result], started: datetime.datetime, total_s: float,
         verdict = f"not run: {preflight['why']}"
     else:
         verdict = f"failed ({len(failing)} of {len(records)} steps did not pass)"
-    lines = [f"# GPU check: {verdict}", "", f"Date: {started:%Y-%m-%d %H:%M} UTC  ",
+    lines = [f"# GPU check: {verdict}", "", _summary(records), "",
+             f"Date: {started:%Y-%m-%d %H:%M} UTC  ",
              _machine(facts) + "  ", f"Command: `{command}`  ", f"Total: {total_s:.0f} s", ""]
     lines += _table(("step", "checks", "status", "s", "note"), [
         (r["name"], r["title"], r["status"], f"{r['seconds']:.0f}", r["why"]) for r in records])
@@ -467,11 +511,17 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "benchmarks/gpu_check.py", *argv])
     steps = [step for step in STEPS if step.name in chosen]
     records: list[Result] = []
+    extra_env: dict[str, str] = {}
+    nccl_failure = ""
     for index, step in enumerate(steps):
         _write_report(out, records, steps[index:], started, begin, command)  # if killed now
         left_s = BUDGET_S - (time.monotonic() - begin)
         if records and records[0]["status"] != "passed":
             records.append(_record(step.name, step.title, "not run", "the preflight did not pass"))
+            continue
+        if nccl_failure and step.world_of_one:
+            records.append(_record(step.name, step.title, "not run",
+                                   f"NCCL did not start (see the nccl step): {nccl_failure}"))
             continue
         if left_s < MIN_STEP_S:
             records.append(_record(step.name, step.title, "not run",
@@ -479,11 +529,23 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[{index + 1}] {step.name}: {step.title} (at most {min(step.timeout_s, left_s):.0f}"
               " s) ...", file=sys.stderr, flush=True)
-        record = run_step(step, out, left_s)
+        record = run_step(step, out, left_s, extra_env)
         if step.name == "preflight" and record["result"] is None:  # timed out or crashed:
             print(f"    {record['status']}: {record['why']}; once more (a cold start)",
                   file=sys.stderr, flush=True)  # a cold import of torch and CUDA is slow
             record = run_step(step, out, BUDGET_S - (time.monotonic() - begin))
+        if step.name == "nccl" and record["status"] != "passed":
+            recipe = " ".join(f"{key}={value}" for key, value in NCCL_RECIPE.items())
+            print(f"    {record['status']}: {record['why']}; once more with {recipe}",
+                  file=sys.stderr, flush=True)
+            first = record
+            record = run_step(step, out, BUDGET_S - (time.monotonic() - begin), NCCL_RECIPE)
+            if record["status"] == "passed":  # every later step gets the recipe
+                extra_env = dict(NCCL_RECIPE)
+                record["why"] = (f"passed only with {recipe}, set for every later step (as it "
+                                 f"was: {_failure_line(first)})")
+            else:
+                nccl_failure = _failure_line(first)
         records.append(record)
         print(f"    {record['status']} in {record['seconds']:.0f} s"
               + (f": {record['why']}" if record["why"] else ""), file=sys.stderr, flush=True)
@@ -492,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     if not data["passed"]:
         print(f"gpu_check: {data['verdict']}; report: {out / 'gpu_check.md'}", file=sys.stderr)
     return 0 if data["passed"] else 1
+
+
+def _failure_line(record: Result) -> str:
+    """The step's reason and the last error line of its log (what names an NCCL failure)."""
+    errors = [line for line in record["tail"] if "Error" in line or "error" in line]
+    return record["why"] + (f" ({errors[-1].strip()})" if errors else "")
 
 
 def _write_report(out: Path, records: list[Result], pending: list[Step],

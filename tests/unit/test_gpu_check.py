@@ -168,6 +168,7 @@ def test_a_run_where_every_step_passes_reports_its_rows_and_passes(tmp_path: Pat
     markdown, data = gpu_check.report(records, STARTED, 12.3, "python benchmarks/gpu_check.py O")
     lines = markdown.splitlines()
     assert lines[0] == "# GPU check: passed", lines[0]
+    assert lines[2] == "3 of 3 steps passed (preflight, bench, memory).", lines[2]
     assert "Date: 2026-01-02 03:04 UTC" in markdown
     assert "GPU: NVIDIA H200, 139.8 GiB, compute capability 9.0" in markdown
     assert "torch 2.11.0+cu130, Python 3.12.3" in markdown
@@ -257,6 +258,8 @@ def test_main_runs_each_step_under_its_timeout_and_exits_1_when_one_fails(
     assert "human output" in (out / "good.log").read_text()
     markdown = (out / "gpu_check.md").read_text()
     assert markdown.startswith("# GPU check: failed (2 of 5 steps did not pass)")
+    assert markdown.splitlines()[2].startswith(
+        "3 of 5 steps passed (preflight, good, memory); bad failed (exit status 3); slow timed")
     assert "- good: `python good.py`" in markdown
     assert "report: " in capsys.readouterr().err
     assert gpu_check.main([str(out), "--only", "good"]) == 0  # a rerun of one step
@@ -418,3 +421,82 @@ def test_the_sync_debug_script_runs_the_fixed_shape_path_on_one_gloo_rank() -> N
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["backend"] == "gloo" and result["sync_checked"] is False
     assert result["sync_error"] is None and result["bitwise_equal"] is True
+
+
+def test_when_nccl_does_not_start_the_check_retries_with_the_recipe_and_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(tmp_path, {
+        "preflight.py": f"print({json.dumps(FACTS)!r})",
+        "nccl.py": "import os, sys\n"
+                   "if os.environ.get('NCCL_SHM_DISABLE') != '1':\n"
+                   "    sys.exit('RuntimeError: NCCL error: unhandled system error')\n"
+                   "print('{\"nccl_ok\": true}')\n",
+        "never.py": "raise SystemExit('RuntimeError: ncclInternalError')",
+        "env.py": "import json, os\n"
+                  "print(json.dumps({'x': 2.0, 'shm': os.environ.get('NCCL_SHM_DISABLE')}))",
+    })
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+
+    def steps(nccl_script: str) -> tuple[Any, ...]:
+        return (gpu_check.Step("preflight", "CUDA", ("preflight.py",), 10,
+                               JUDGES["preflight"].judge),
+                gpu_check.Step("nccl", "NCCL", (nccl_script,), 10, JUDGES["nccl"].judge,
+                               world_of_one=True),
+                gpu_check.Step("world", "w", ("env.py",), 10, _x_rows, world_of_one=True),
+                _step("plain", "env.py"))
+
+    monkeypatch.setattr(gpu_check, "STEPS", steps("nccl.py"))
+    gpu_check.main([str(tmp_path / "a")])
+    data = json.loads((tmp_path / "a" / "gpu_check.json").read_text())
+    by_name = {step["name"]: step for step in data["steps"]}
+    assert by_name["nccl"]["status"] == "passed"
+    assert by_name["nccl"]["why"].startswith("passed only with NCCL_CUMEM_ENABLE=0")
+    assert "unhandled system error" in by_name["nccl"]["why"]
+    assert by_name["world"]["result"]["shm"] == "1" and by_name["plain"]["result"]["shm"] == "1"
+    monkeypatch.setattr(gpu_check, "STEPS", steps("never.py"))
+    gpu_check.main([str(tmp_path / "b")])
+    data = json.loads((tmp_path / "b" / "gpu_check.json").read_text())
+    by_name = {step["name"]: step for step in data["steps"]}
+    assert by_name["nccl"]["status"] == "failed"
+    assert by_name["world"]["status"] == "not run"
+    assert "NCCL did not start" in by_name["world"]["why"]
+    assert "ncclInternalError" in by_name["world"]["why"]
+    assert by_name["plain"]["status"] == "passed" and by_name["plain"]["result"]["shm"] is None
+
+
+def test_the_opening_sentence_names_the_failures_and_the_key_figures() -> None:
+    records = [
+        gpu_check._record("overlap", "o", "passed", rows=[("hidden", "0.97 / 0.98", "goal")]),
+        gpu_check._record("graph", "g", "failed", "graph replay differs from eager DBO",
+                          rows=[("eager over replay", "3.10x", "")]),
+        gpu_check._record("workspace", "w", "not run", "the 420 s budget of the check was spent"),
+    ]
+    assert gpu_check._summary(records) == (
+        "1 of 3 steps passed (overlap); graph failed (graph replay differs from eager DBO); "
+        "workspace not run (the 420 s budget of the check was spent). Key figures: overlap "
+        "0.97 / 0.98; graph 3.10x."
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_the_wrapper_picks_a_python_whose_torch_sees_cuda_and_names_it(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, sees in (("python3", 1), ("python", 0)):  # only `python` "sees" CUDA
+        script = bin_dir / name
+        script.write_text(
+            "#!/usr/bin/env bash\n"
+            f'if [ "$1" = "-c" ] && [[ "$2" == *is_available* ]]; then exit {sees}; fi\n'
+            f'exec {sys.executable} "$@"\n'
+        )
+        script.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    completed = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path / "out"),
+         "--only", "nccl"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )
+    assert f"gpu_check: using {bin_dir / 'python'} (Python 3." in completed.stderr, completed.stderr
+    assert (tmp_path / "out" / "gpu_check.md").exists()
