@@ -147,6 +147,7 @@ class UBatchGroupRegistry:
             timeout=timeout,
             use_local_synchronization=False,
             group_desc=f"dbo_ubatch{index}",
+            pg_options=high_priority_options(backend),
         )
 
     def _forget_destroyed(self) -> None:
@@ -278,3 +279,15 @@ def destroy_ubatch_groups() -> None:
     for duplicate in _registry.clear():
         if dist.is_initialized() and _still_registered(duplicate):
             dist.destroy_process_group(duplicate)
+
+
+def high_priority_options(backend: str) -> Any:
+    """For an NCCL duplicate: options that run its kernels on a high-priority stream, so
+    that one ubatch's transfer is not queued behind the other ubatch's compute blocks;
+    None (the backend's defaults) for any other backend or without NCCL."""
+    options_type = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
+    if backend != "nccl" or options_type is None:
+        return None
+    options = options_type()
+    options.is_high_priority_stream = True
+    return options

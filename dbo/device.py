@@ -129,9 +129,12 @@ class CudaBackend:
         self.device = torch.device("cuda", index)
 
     def new_stream(self, name: str) -> torch.cuda.Stream:
+        # A comm stream gets the device's greatest priority: its kernels (a transfer, a
+        # copy) then start ahead of the other ubatch's queued compute blocks.
+        high = name.startswith("comm")
         if torch.version.hip:  # no driver API here: torch's pool (the runner checks aliasing)
-            return torch.cuda.Stream(device=self.device)
-        return _own_streams.take(self.device)
+            return torch.cuda.Stream(device=self.device, priority=-1 if high else 0)
+        return _own_streams.take(self.device, high_priority=high)
 
     def release_stream(self, stream: torch.cuda.Stream) -> None:
         _own_streams.give_back(stream)
@@ -177,37 +180,42 @@ class _OwnStreams:
     `torch.cuda.Stream()` hands out a per-device pool of 32 round-robin, the pool that
     ProcessGroupNCCL's internal streams and graph capture's come from too. These come
     from the driver (`cuStreamCreate`, non-blocking, in torch's primary context) as
-    `ExternalStream`s: nothing else gets one. Never destroyed (the caching allocator
-    records events on streams its live blocks were used on), only reused.
+    `ExternalStream`s: nothing else gets one. High-priority ones (the device's greatest
+    priority, for comm) and default-priority ones are kept apart. Never destroyed (the
+    caching allocator records events on streams its live blocks were used on), only reused.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[torch.device, list[torch.cuda.Stream]] = {}
-        self._made: set[int] = set()
+        self._free: dict[tuple[torch.device, bool], list[torch.cuda.Stream]] = {}
+        self._made: dict[int, bool] = {}
+        """Each stream dbo made (its handle): whether it has the greatest priority."""
 
-    def take(self, device: torch.device) -> torch.cuda.Stream:
+    def take(self, device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
         with self._lock:
-            free = self._free.get(device)
+            free = self._free.get((device, high_priority))
             if free:
                 return free.pop()
-        stream = torch.cuda.ExternalStream(_create_cuda_stream(device.index), device=device)
+        handle = _create_cuda_stream(device.index, high_priority)
+        stream = torch.cuda.ExternalStream(handle, device=device)
         with self._lock:
-            self._made.add(int(stream.cuda_stream))
+            self._made[int(stream.cuda_stream)] = high_priority
         return stream
 
     def give_back(self, stream: torch.cuda.Stream) -> None:
         with self._lock:
-            if int(stream.cuda_stream) in self._made:  # not a pool stream (HIP)
-                self._free.setdefault(stream.device, []).append(stream)
+            high_priority = self._made.get(int(stream.cuda_stream))
+            if high_priority is not None:  # not a pool stream (HIP)
+                self._free.setdefault((stream.device, high_priority), []).append(stream)
 
 
 _own_streams = _OwnStreams()
 _CU_STREAM_NON_BLOCKING = 0x1
 
 
-def _create_cuda_stream(index: int) -> int:
-    """A new non-blocking stream (its handle) in device `index`'s primary context."""
+def _create_cuda_stream(index: int, high_priority: bool = False) -> int:
+    """A new non-blocking stream (its handle) in device `index`'s primary context, at the
+    device's greatest priority if `high_priority`."""
     torch.cuda.init()
     driver = ctypes.CDLL("libcuda.so.1")  # loaded already: the CUDA runtime uses it
 
@@ -225,8 +233,16 @@ def _create_cuda_stream(index: int) -> int:
     check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuCtxRetain")
     check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
     try:
-        check(driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
-              "cuStreamCreate")
+        if high_priority:
+            least, greatest = ctypes.c_int(), ctypes.c_int()
+            check(driver.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+                  "cuCtxGetStreamPriorityRange")
+            check(driver.cuStreamCreateWithPriority(
+                ctypes.byref(stream), _CU_STREAM_NON_BLOCKING, greatest
+            ), "cuStreamCreateWithPriority")
+        else:
+            check(driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
+                  "cuStreamCreate")
     finally:
         driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     assert stream.value, "cuStreamCreate succeeded, so it wrote a handle"

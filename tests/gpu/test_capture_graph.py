@@ -179,9 +179,10 @@ def test_the_capture_stream_is_one_of_dbos_own_streams_and_goes_back_after() -> 
 
     with torch.no_grad():
         dbo.capture_graph(forward, torch.randn(8, HIDDEN, device="cuda"))
-    assert len(seen) == 1 and seen <= _own_streams._made
+    assert len(seen) == 1 and seen <= set(_own_streams._made)
     device = torch.device("cuda", torch.cuda.current_device())
-    assert seen <= {int(stream.cuda_stream) for stream in _own_streams._free[device]}
+    free = _own_streams._free[(device, False)]  # default priority: not a comm stream
+    assert seen <= {int(stream.cuda_stream) for stream in free}
 
 
 @pytest.mark.timeout(300)  # a cold torchrun start with CUDA and 3 NCCL communicators

@@ -80,3 +80,20 @@ def test_a_non_members_count_does_not_depend_on_the_order_of_ranks(
     registry.create_for_non_member([2, 1], "gloo", 2, key="ep")
     registry.create_for_non_member([1, 2], "gloo", 2, key="ep")
     assert len(created) == 2
+
+
+def test_nccl_duplicates_ask_for_high_priority_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ubatch's transfer kernels should not queue behind the other ubatch's compute."""
+    from comm.groups import high_priority_options
+
+    class FakeNccl:
+        class Options:
+            is_high_priority_stream = False
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNccl, raising=False)
+    options = high_priority_options("nccl")
+    assert isinstance(options, FakeNccl.Options) and options.is_high_priority_stream is True
+    assert high_priority_options("gloo") is None
+    assert high_priority_options("cpu:gloo,cuda:nccl") is None  # defaults for a mixed group
+    monkeypatch.delattr(dist, "ProcessGroupNCCL")
+    assert high_priority_options("nccl") is None

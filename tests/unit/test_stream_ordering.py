@@ -236,6 +236,7 @@ class _FakeDriver:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.references = 0
+        self.priorities: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         def call(*args: Any) -> int:
@@ -244,8 +245,12 @@ class _FakeDriver:
                 self.references += 1
             elif name.startswith("cuDevicePrimaryCtxRelease"):
                 self.references -= 1
-            elif name == "cuStreamCreate":
+            elif name == "cuCtxGetStreamPriorityRange":
+                args[0]._obj.value, args[1]._obj.value = 0, -5  # least, greatest
+            elif name in ("cuStreamCreate", "cuStreamCreateWithPriority"):
                 args[0]._obj.value = 0x5EED  # the handle, through byref
+                if name == "cuStreamCreateWithPriority":
+                    self.priorities.append(args[2].value)
             return 0
 
         return call
@@ -261,6 +266,41 @@ def test_a_driver_made_stream_keeps_its_primary_context_retained(
     monkeypatch.setattr(device_module.ctypes, "CDLL", lambda name: driver)
     assert device_module._create_cuda_stream(0) == 0x5EED
     assert "cuStreamCreate" in driver.calls and driver.references == 1
+
+
+def test_comm_streams_get_the_greatest_priority_and_stay_apart_in_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A comm stream's transfer kernels start ahead of the other ubatch's queued compute
+    blocks; the pool never hands a comm stream out as a compute one, or the reverse."""
+    driver = _FakeDriver()
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(device_module.ctypes, "CDLL", lambda name: driver)
+    assert device_module._create_cuda_stream(0, high_priority=True) == 0x5EED
+    assert driver.priorities == [-5] and "cuStreamCreate" not in driver.calls
+
+    handles = iter(range(1, 100))
+    made: list[tuple[int, bool]] = []
+
+    def create(index: int, high_priority: bool = False) -> int:
+        made.append((next(handles), high_priority))
+        return made[-1][0]
+
+    class FakeStream:
+        def __init__(self, handle: int, device: torch.device) -> None:
+            self.cuda_stream, self.device = handle, device
+
+    monkeypatch.setattr(device_module, "_create_cuda_stream", create)
+    monkeypatch.setattr(torch.cuda, "ExternalStream", FakeStream)
+    pool = device_module._OwnStreams()
+    device = torch.device("cuda", 0)
+    comm, compute = pool.take(device, high_priority=True), pool.take(device)
+    assert made == [(1, True), (2, False)]
+    pool.give_back(comm)
+    assert pool.take(device).cuda_stream == 3  # not the comm stream given back
+    assert pool.take(device, high_priority=True) is comm
+    pool.give_back(compute)
+    assert pool.take(device) is compute
 
 
 # ------------------------------------------------------------------- the inputs' device
