@@ -22,9 +22,10 @@ On CUDA the compute is bf16 GEMMs (`--dtype`) large enough to fill an H100/H200 
 ubatch's compute stream, and a transfer is `EmulatedLink`'s sleep kernel on its comm
 stream; the host only enqueues, and times are taken after `torch.cuda.synchronize()`.
 The GPU is warmed up before the link is calibrated (its clock rises under load, and the
-sleep kernel counts clock cycles), and m is measured like c (a transfer-only loop in the
-same rounds). Transfers on different comm streams run at the same time (the link is FIFO
-per stream), so rows with m > c may pass 1; at c = m the ideal is the same either way.
+sleep kernel counts clock cycles). m is each transfer as it ran in the DBO rounds, timed
+by events on the comm stream around it (`TransferTimes`; beside the GEMMs the sleep
+kernel runs at other clocks than alone, reported as m_alone). Transfers on different comm
+streams run at the same time (the link is FIFO per stream), so rows with m > c may pass 1.
 
 `--compare-pinning` also times DBO with the caller's thread pinned to one CPU in the
 same rounds (`dbo.overlap` then uses ubatch threads created on that CPU): every handoff
@@ -90,12 +91,38 @@ def warm_up_gpu(device: torch.device, dtype: torch.dtype, seconds: float = 0.5) 
         synchronize(device)
 
 
+class TransferTimes:
+    """Each transfer's time as it ran, bracketed by two timing events on its stream (the
+    comm stream in an overlap): beside the other ubatch's GEMMs the sleep kernel runs at
+    other clocks than alone, so the ideal uses these, not a transfer-only loop's."""
+
+    def __init__(self, event_type: Callable[..., object] | None = None) -> None:
+        self._event_type = event_type or (lambda: torch.cuda.Event(enable_timing=True))
+        self._pairs: list[tuple[object, object]] = []
+
+    def start(self) -> object:
+        event = self._event_type()
+        event.record()  # type: ignore[attr-defined]
+        return event
+
+    def stop(self, start: object) -> None:
+        end = self._event_type()
+        end.record()  # type: ignore[attr-defined]
+        self._pairs.append((start, end))
+
+    def take_mean_s(self) -> float:
+        """The mean transfer time in seconds since the last call (after a synchronize)."""
+        times = [start.elapsed_time(end) / 1000 for start, end in self._pairs]  # type: ignore[attr-defined]
+        self._pairs = []
+        return sum(times) / len(times) if times else float("nan")
+
+
 def make_layer_loop(
     num_layers: int, num_matmuls: int, link: EmulatedLink, device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, times: TransferTimes | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The model: per layer, compute then a transfer. The same code runs serially and in
-    an overlap (every dbo call is a no-op outside one)."""
+    """The model: per layer, compute then a transfer (timed into `times` if given). The
+    same code runs serially and in an overlap (every dbo call is a no-op outside one)."""
     a, b = operands(device, dtype)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +131,10 @@ def make_layer_loop(
                 torch.mm(a, b)
             x = x + 1
             dbo.switch_to_comm()
+            start = times.start() if times is not None else None
             handle = link.transfer(x)
+            if times is not None:
+                times.stop(start)
             dbo.yield_and_switch_to_compute()  # the other ubatch computes meanwhile
             x = handle.wait()
         return x
@@ -129,11 +159,15 @@ def measure(
     compute_only_fn = make_layer_loop(num_layers, num_matmuls, EmulatedLink(0.0), device, dtype)
     serial_fn = make_layer_loop(num_layers, num_matmuls, link, device, dtype)
     transfer_only_fn = make_layer_loop(num_layers, 0, link, device, dtype)
-    dbo_fn = dbo.overlap(serial_fn, num_ubatches=num_ubatches)
+    in_dbo = TransferTimes() if device.type == "cuda" else None
+    dbo_fn = dbo.overlap(make_layer_loop(num_layers, num_matmuls, link, device, dtype, in_dbo),
+                         num_ubatches=num_ubatches)
     x = torch.zeros(num_ubatches * 64, 256, device=device)
     parts = torch.tensor_split(x, num_ubatches)
     dbo_fn(x)  # warm up threads
     synchronize(device)
+    if in_dbo is not None:
+        in_dbo.take_mean_s()  # not the warm-up's
 
     def timed(run: Callable[[], object]) -> float:
         start = time.perf_counter()
@@ -152,12 +186,15 @@ def measure(
             os.sched_setaffinity(0, cpus)
 
     compute_times, serial_times, dbo_times, pinned_times, transfer_times = [], [], [], [], []
+    transfers_in_dbo = []
     for _ in range(rounds):
         compute_times.append(timed(lambda: [compute_only_fn(p) for p in parts]))
         if device.type == "cuda":  # the sleep kernel's length follows the GPU's clock
             transfer_times.append(timed(lambda: [transfer_only_fn(p) for p in parts]))
         serial_times.append(timed(lambda: [serial_fn(p) for p in parts]))
         dbo_times.append(timed(lambda: dbo_fn(x)))
+        if in_dbo is not None:  # synchronized by timed()
+            transfers_in_dbo.append(in_dbo.take_mean_s())
         if compare_pinning:
             pinned_times.append(pinned(lambda: dbo_fn(x)))
     outputs = [serial_fn(p) for p in parts]
@@ -166,8 +203,11 @@ def measure(
     total_c = statistics.median(compute_times)
     c = total_c / (num_layers * num_ubatches)
     m = m_ms / 1000  # a CPU transfer lasts exactly m: a timer
+    m_alone = m
     if transfer_times:
-        m = statistics.median(transfer_times) / (num_layers * num_ubatches)
+        m_alone = statistics.median(transfer_times) / (num_layers * num_ubatches)
+    if transfers_in_dbo:  # as the transfers ran beside the GEMMs, by events
+        m = statistics.median(transfers_in_dbo)
     total_m = m * num_layers * num_ubatches
     t_ideal = max(total_c, total_m) + min(c, m)
     t_pinned = statistics.median(pinned_times) if pinned_times else float("nan")
@@ -175,6 +215,7 @@ def measure(
         "hidden_pinned": (t_serial - t_pinned) / (t_serial - t_ideal),
         "c_ms": c * 1000,
         "m_real_ms": m * 1000,
+        "m_alone_ms": m_alone * 1000,
         "serial_ms": t_serial * 1000,
         "dbo_ms": t_dbo * 1000,
         "ideal_ms": t_ideal * 1000,

@@ -500,3 +500,31 @@ def test_the_wrapper_picks_a_python_whose_torch_sees_cuda_and_names_it(tmp_path:
     )
     assert f"gpu_check: using {bin_dir / 'python'} (Python 3." in completed.stderr, completed.stderr
     assert (tmp_path / "out" / "gpu_check.md").exists()
+
+
+def test_the_overlap_benchmark_times_each_transfer_as_it_runs_in_the_overlap() -> None:
+    """On CUDA the ideal uses each transfer's time as it ran beside the other ubatch's
+    GEMMs (two timing events around it on its stream), not a transfer-only loop's."""
+    import dbo
+    from comm import EmulatedLink
+
+    overlap_efficiency = _benchmark("overlap_efficiency.py")
+    clock = iter(range(1000))
+
+    class FakeEvent:  # records a tick; elapsed_time in ms between two records
+        def record(self) -> None:
+            self.at = next(clock)
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            return float(end.at - self.at) * 3.0
+
+    times = overlap_efficiency.TransferTimes(FakeEvent)
+    loop = overlap_efficiency.make_layer_loop(
+        3, 1, EmulatedLink(0.0), torch.device("cpu"), times=times)
+    try:
+        dbo.overlap(loop, timeout_s=30)(torch.zeros(8, 4))
+    finally:
+        dbo.close_default_runners()
+    assert len(times._pairs) == 3 * 2  # every transfer of both ubatches, bracketed
+    assert times.take_mean_s() == pytest.approx(0.003)  # consecutive ticks, 3 ms apart
+    assert times._pairs == [] and times.take_mean_s() != times.take_mean_s()  # nan: none
