@@ -111,7 +111,14 @@ def capture_graph(
     than `num_ubatches`; `fn`'s own errors from the warmup, where the dynamic `comm.moe`
     path refuses (use `dispatch_fixed` / `combine_fixed`). A failure during the capture
     ends it (no stream is left capturing), unlocks a workspace it locked and re-raises;
-    the runner stays usable.
+    the runner stays usable; the failed graph is kept (never freed) and a `pool` it used
+    is refused from then on (RuntimeError: pass a new handle).
+
+    Under capture `fn` must not: read a device value on the host (`.item()`, `.tolist()`,
+    `.cpu()`, `print` of a tensor, an `if` on a tensor), copy device to host without
+    blocking or `pin_memory()` (pinned host memory allocated during a capture), use a
+    cuBLAS handle or NCCL communicator for the first time (the warmup runs must have
+    used them: lazily created NCCL communicators included), or synchronize.
     """
     num_ubatches = _checked_arguments(fn, num_ubatches, warmup, pool)
     device = _cuda_device(static_inputs)
@@ -151,6 +158,12 @@ def _checked_arguments(fn: Any, num_ubatches: Any, warmup: Any, pool: Any) -> in
         isinstance(pool, tuple) and len(pool) == 2 and all(type(i) is int for i in pool)
     ):
         raise TypeError(f"pool must be a torch.cuda.graph_pool_handle() or None, got {pool!r}")
+    if pool is not None and pool in _Capture.failed_pools:
+        raise RuntimeError(
+            f"pool={pool!r} was used by a capture that failed, which can leave the memory "
+            "pool's allocator state behind; pass a new torch.cuda.graph_pool_handle() (and "
+            "capture again the graphs that shared this one)"
+        )
     if current_context() is not None:
         raise RuntimeError("dbo.capture_graph was called inside an overlap; call it outside")
     if getattr(fn, "__code__", None) is _overlap_wrapper_code():
@@ -260,6 +273,13 @@ def _lock_workspace() -> Callable[[], None]:
 class _Capture:
     """One CUDA-graph capture on a side stream of `device`, and its cleanup on failure."""
 
+    failed_graphs: list[Any] = []
+    """The graphs of failed captures, kept alive for good: recent torch's capture_begin
+    also routes host (pinned) allocations through the graph object, and a failed
+    capture_end leaves that routing in place; freeing the object would leave it dangling."""
+    failed_pools: set[Any] = set()
+    """Memory pools (`pool=`) a failed capture used: their allocator state is not trusted."""
+
     def __init__(self, device: torch.device, pool: Any) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
@@ -304,14 +324,14 @@ class _Capture:
         self._drop()
 
     def _drop(self) -> None:
-        """Drop the graph, and undo what torch's capture_end leaves undone when it fails:
-        the allocator routing this capture's allocations to the pool, and its use of it."""
+        """Give up the graph: undo what torch's capture_end leaves undone when it fails
+        (the device allocator routing this capture's allocations to the pool, and its use
+        of it), keep the graph object alive for good (`failed_graphs`) and mark the pool
+        as one a failed capture used (`failed_pools`)."""
         index = self.device.index
         with contextlib.suppress(Exception):  # capture_end got that far
             torch._C._cuda_endAllocateToPool(index, self.pool)
-        try:
-            self.graph.pool()  # only after capture_end ended the capture: reset releases it
-        except Exception:
-            with contextlib.suppress(Exception):
-                torch._C._cuda_releasePool(index, self.pool)
-        self.graph.reset()
+        with contextlib.suppress(Exception):
+            torch._C._cuda_releasePool(index, self.pool)
+        _Capture.failed_graphs.append(self.graph)
+        _Capture.failed_pools.add(self.pool)

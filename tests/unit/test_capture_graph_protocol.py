@@ -311,3 +311,45 @@ def test_a_larger_batch_after_a_capture_fails_in_the_warmup_saying_to_capture_it
     assert "frees buffers that captured graphs use" in note
     assert "capture the largest batch first" in note
     assert manager.is_locked() and fake_cuda.count("begin") == 1
+
+
+class FakeGraph:
+    """A torch.cuda.CUDAGraph whose capture_end fails (an invalidated capture)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "") -> None:
+        self.calls.append("begin")
+
+    def capture_end(self) -> None:
+        self.calls.append("end")
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def reset(self) -> None:
+        self.calls.append("reset")
+
+
+def test_a_failed_capture_keeps_its_graph_alive_and_its_pool_is_refused_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed capture_end leaves the host allocator routed through the graph object on
+    recent torch: the object is kept for good, and a pool it used is not reused."""
+    released: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: None,
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool",
+                        lambda index, pool: released.append(pool), raising=False)
+    monkeypatch.setattr(dbo.graphs._Capture, "failed_graphs", [])
+    monkeypatch.setattr(dbo.graphs._Capture, "failed_pools", set())
+    pool = (7, 7)
+    capture = dbo.graphs._Capture(torch.device("cuda", 0), pool)
+    capture.begin()
+    with pytest.raises(RuntimeError, match="not permitted"):
+        capture.end()
+    assert capture.graph.calls == ["begin", "end"]  # not reset: kept, with its state
+    assert dbo.graphs._Capture.failed_graphs == [capture.graph] and released == [pool]
+    with pytest.raises(RuntimeError, match=r"pool=\(7, 7\) was used by a capture that failed"):
+        dbo.capture_graph(lambda x: x, torch.zeros(4, 2), pool=pool)
