@@ -92,19 +92,13 @@ def test_a_recv_hook_kernel_is_ordered_before_its_owner_reads() -> None:
 
 
 @pytest.mark.timeout(300)  # a cold torchrun start with CUDA and 3 NCCL communicators
+@pytest.mark.timeout(150)  # a cold start with CUDA and NCCL communicators
 def test_nccl_world_of_one_with_per_ubatch_communicators() -> None:
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    script = Path(__file__).with_name("nccl_world.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc-per-node", "1", str(script)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )  # fmt: skip
+    from world_of_one import run_world_of_one
+
+    completed = run_world_of_one([Path(__file__).with_name("nccl_world.py")])
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "nccl world: all checks passed" in completed.stdout
 

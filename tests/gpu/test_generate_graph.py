@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from world_of_one import run_world_of_one
 
 pytest.importorskip("transformers")
 pytestmark = [
@@ -23,14 +22,9 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.timeout(300)  # a cold torchrun start with CUDA, NCCL and transformers
+@pytest.mark.timeout(150)  # a cold start with CUDA, NCCL and transformers
 def test_a_captured_decode_step_replays_the_tokens_of_eager_dbo_generation() -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "1", str(ROOT / "benchmarks" / "generate_graph.py"), "--json"],
-        capture_output=True, text=True, timeout=240,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    completed = run_world_of_one([ROOT / "benchmarks" / "generate_graph.py", "--json"])
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert result["device"] == "cuda" and result["captured"] is True
