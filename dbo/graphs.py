@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +17,6 @@ from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.api import run_state
 from dbo.device import CudaBackend
-from dbo.errors import add_note
 from dbo.overlap import _runner_pool, overlap
 from dbo.runner import UBatchRunner
 from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
@@ -95,9 +94,10 @@ def capture_graph(
     The inputs are split along dim 0 and the outputs merged as `dbo.overlap(fn)` does,
     always in ubatches. `warmup` eager runs come first, on the ubatch threads and streams
     of the capture, to do what cannot be captured: cuBLAS handles, NCCL communicators,
-    the workspace at its final size. The process-wide workspace (if any) is then locked,
-    for good (capture the largest batch first: one needing more fails in its warmup with
-    `WorkspaceLockedError`), and one more run is captured: the ubatch streams fork from
+    the workspace at its final size. The capture hooks (`add_capture_hook`) run next: the
+    process-wide workspace, if any, locks itself there for good (capture the largest batch
+    first: one needing more fails in its warmup with `WorkspaceLockedError`); then one
+    more run is captured: the ubatch streams fork from
     the capture stream (a side stream, current in this thread) and join back into it
     through the runner's events; the baton runs as usual. Work `fn` puts on streams of
     its own must rejoin its ubatch's stream before `fn` returns. One capture at a time,
@@ -110,7 +110,8 @@ def capture_graph(
     or inside an overlap; TypeError / ValueError for bad arguments or a batch smaller
     than `num_ubatches`; `fn`'s own errors from the warmup, where the dynamic `comm.moe`
     path refuses (use `dispatch_fixed` / `combine_fixed`). A failure during the capture
-    ends it (no stream is left capturing), unlocks a workspace it locked and re-raises;
+    ends it (no stream is left capturing), undoes the hooks (a workspace it locked is
+    unlocked) and re-raises;
     the runner stays usable; the failed graph is kept (never freed) and a `pool` it used
     is refused from then on (RuntimeError: pass a new handle).
 
@@ -181,22 +182,14 @@ def _warm_up_and_capture(
     capture: _Capture, runner: UBatchRunner, fn: Callable[..., Any], parts: UBatchInputs,
     warmup: int,
 ) -> Any:
-    """The warmup runs, the workspace lock, then the captured run; its merged outputs."""
+    """The warmup runs, the capture hooks, then the captured run; its merged outputs."""
 
     def step() -> Any:
         return default_merge(runner.run(fn, parts, device=capture.device))
 
-    import workspace  # workspace imports dbo: not at module load
-
-    try:
-        for _ in range(warmup):
-            step()
-    except workspace.WorkspaceLockedError as error:
-        add_note(error, "dbo.capture_graph: the workspace stays locked after a capture; "
-                 "unlocking it frees buffers that captured graphs use (their replays would "
-                 "write freed memory): capture the largest batch first")
-        raise
-    unlock = _lock_workspace()
+    for _ in range(warmup):
+        step()
+    unlock = _run_capture_hooks()
     try:
         capture.begin()
         try:
@@ -255,19 +248,50 @@ def _split(static_inputs: tuple[Any, ...], num_ubatches: int) -> UBatchInputs:
     return split_parts(static_inputs, {}, num_ubatches, size)
 
 
-def _lock_workspace() -> Callable[[], None]:
-    """Lock the process-wide workspace (if any, and unlocked) before the capture, so that
-    the graph holds final addresses (a slot realized later would free a buffer the graph
-    writes) and growth fails the capture; returns what undoes it."""
-    # No import: workspace builds on dbo, and a workspace exists only once imported.
-    workspace = sys.modules.get("workspace")
-    if workspace is None or not workspace.is_workspace_manager_initialized():
-        return lambda: None
-    manager = workspace.current_workspace_manager()
-    if manager.is_locked():
-        return lambda: None
-    manager.lock()
-    return manager.unlock
+_capture_hooks: list[Callable[[], Callable[[], None] | None]] = []
+_capture_hooks_lock = threading.Lock()
+
+
+def add_capture_hook(hook: Callable[[], Callable[[], None] | None]) -> Callable[[], None]:
+    """Call `hook()` in every `dbo.capture_graph`, after its warmup runs and before it
+    captures, in the calling thread; returns what removes the hook.
+
+    For libraries whose state a captured graph depends on: the workspace locks itself
+    here, so that the graph holds its final addresses. `hook` returns what undoes its
+    work if the capture fails (or None); an exception in it fails the capture before
+    anything is captured. Hooks run in the order they were added.
+    """
+    if not callable(hook):
+        raise TypeError(f"add_capture_hook needs a callable, got {hook!r}")
+    with _capture_hooks_lock:
+        _capture_hooks.append(hook)
+
+    def remove() -> None:
+        with _capture_hooks_lock, contextlib.suppress(ValueError):
+            _capture_hooks.remove(hook)
+
+    return remove
+
+
+def _run_capture_hooks() -> Callable[[], None]:
+    """Run the capture hooks; what undoes them (in reverse order)."""
+    with _capture_hooks_lock:
+        hooks = list(_capture_hooks)
+    undo: list[Callable[[], None]] = []
+
+    def undo_all() -> None:
+        for step in reversed(undo):
+            step()
+
+    try:
+        for hook in hooks:
+            done = hook()
+            if done is not None:
+                undo.append(done)
+    except BaseException:
+        undo_all()
+        raise
+    return undo_all
 
 
 class _Capture:

@@ -7,13 +7,27 @@ Modules deep inside a model reach their scratch memory through
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
+import dbo
 from workspace.manager import WorkspaceManager
 
 _holder_lock = threading.Lock()
 _manager: WorkspaceManager | None = None
+_capture_hook_added = False
+
+
+def _lock_for_capture() -> Callable[[], None] | None:
+    """`dbo.capture_graph`'s hook: lock the process-wide manager (if any, and unlocked)
+    before the capture, so that the graph holds final addresses (a slot realized later
+    would free a buffer the graph writes) and growth fails the capture; what undoes it."""
+    manager = _manager
+    if manager is None or manager.is_locked():
+        return None
+    manager.lock(by_capture=True)
+    return manager.unlock
 
 
 def init_workspace_manager(
@@ -26,9 +40,12 @@ def init_workspace_manager(
     ubatches the application overlaps with). Raises RuntimeError if a manager with another
     device or slot count exists: call `reset_workspace_manager()` first.
     """
-    global _manager
+    global _manager, _capture_hook_added
     wanted = WorkspaceManager(device, num_ubatches)  # validates; allocates nothing
     with _holder_lock:
+        if not _capture_hook_added:  # on first use, not at import
+            dbo.add_capture_hook(_lock_for_capture)
+            _capture_hook_added = True
         if _manager is None:
             _manager = wanted
         elif _manager.device != wanted.device or (

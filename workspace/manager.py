@@ -221,6 +221,7 @@ class WorkspaceManager:
         self._slots = tuple(_Slot() for _ in range(num_ubatches))
         self._capacity_bytes = 0
         self._locked = False
+        self._locked_by_capture = False
         self._lock = threading.Lock()
         self._num_resizes = 0
         self._num_allocations = 0
@@ -375,12 +376,18 @@ class WorkspaceManager:
         """Raise the shared capacity; realize `slot` now, the others at their next request.
         Returns the resize message for the debug log."""
         if self._locked:
+            fix = (
+                "dbo.capture_graph locked it, and it stays locked: captured graphs write into "
+                "its buffers, which unlocking to grow would free under their replays; capture "
+                "the largest batch first" if self._locked_by_capture else
+                "warm up with the largest batch before lock_workspace(), or call "
+                "unlock_workspace() to let it grow (not while a captured CUDA graph that uses "
+                "the workspace may replay: growing frees its buffers)"
+            )
             raise WorkspaceLockedError(
                 f"workspace is locked, but the request from '{caller}' needs "
                 f"{_format_bytes(required_bytes)} per slot and the locked capacity is "
-                f"{_format_bytes(self._capacity_bytes)}; warm up with the largest batch before "
-                "lock_workspace(), or call unlock_workspace() to let it grow (not while a "
-                "captured CUDA graph that uses the workspace may replay: growing frees its buffers)"
+                f"{_format_bytes(self._capacity_bytes)}; {fix}"
             )
         old_capacity = self._capacity_bytes
         self._realize(slot, required_bytes)
@@ -434,8 +441,9 @@ class WorkspaceManager:
             return torch.empty((num_bytes,), dtype=torch.uint8, device=self._device)
 
     # ------------------------------------------------------------------ lifecycle
-    def lock(self) -> None:
-        """Realize every slot at the shared capacity, then forbid growth.
+    def lock(self, *, by_capture: bool = False) -> None:
+        """Realize every slot at the shared capacity, then forbid growth (`by_capture`:
+        `dbo.capture_graph` locks it, and a later growth error says so).
 
         Call it after warmup (and before CUDA-graph capture), outside any overlap: slots
         are reallocated here, so no thread may hold views into an outdated buffer
@@ -460,6 +468,7 @@ class WorkspaceManager:
                     if slot.num_bytes != self._capacity_bytes:
                         self._realize(slot, self._capacity_bytes)
             self._locked = True
+            self._locked_by_capture = by_capture
         _debug_log(
             "[workspace] locked at %.2f MB per slot (%d slots, %.2f MB total)",
             self._capacity_bytes / _MB,
@@ -470,7 +479,7 @@ class WorkspaceManager:
     def unlock(self) -> None:
         """Allow growth again (for example to warm up for a larger batch)."""
         with self._lock:
-            self._locked = False
+            self._locked = self._locked_by_capture = False
         _debug_log("[workspace] unlocked at %.2f MB per slot", self._capacity_bytes / _MB)
 
     def is_locked(self) -> bool:

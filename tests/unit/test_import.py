@@ -30,3 +30,24 @@ def test_importing_dbo_opens_no_fd_and_starts_no_thread() -> None:
     )
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == "[]", completed.stdout
+
+
+def test_dbo_imports_neither_workspace_nor_comm_nor_transformers() -> None:
+    """The layering: workspace and comm build on dbo, never the reverse (no circle), and
+    transformers is imported only once the user's code has."""
+    probe = (
+        "import sys, dbo, dbo.graphs, dbo.hf, dbo.stateful\n"
+        "print(sorted(m for m in ('workspace', 'comm', 'transformers') if m in sys.modules))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]", completed.stdout
+    from pathlib import Path
+
+    sources = (Path(__file__).resolve().parents[2] / "dbo").glob("*.py")
+    for source in sources:
+        text = source.read_text()
+        for needle in ("import workspace", "import comm", 'sys.modules.get("workspace")'):
+            assert needle not in text, f"{source.name}: {needle}"
