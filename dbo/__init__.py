@@ -37,7 +37,7 @@ from dbo.api import (
     yield_and_switch_to_compute,
 )
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError
-from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph
+from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph, capturing
 from dbo.hooks import yield_between
 from dbo.overlap import close_default_runners, overlap
 from dbo.runner import RunnerState, UBatchRunner
@@ -50,7 +50,7 @@ __all__ = [
     "OverlapGraph", "OverlapTimeoutError", "RunnerState", "Trace", "TokenSplit",
     "UBatchAbortedError", "UBatchRunner", "add_capture_hook", "at_ubatch_exit",
     "balanced_token_split",
-    "capture_graph", "close_default_runners", "current_stream", "current_ubatch_id",
+    "capture_graph", "capturing", "close_default_runners", "current_stream", "current_ubatch_id",
     "default_merge", "default_split", "enabled", "hf", "maybe_run_recv_hook", "merge_parts",
     "num_ubatches", "on_comm_stream", "overlap", "register_recv_hook", "register_split_rule",
     "run_state",

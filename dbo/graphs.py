@@ -108,10 +108,10 @@ def capture_graph(
     CUDA tensor in `static_inputs`; RuntimeError for a `dbo.overlap` wrapper (pass what
     it wraps: its options, a `decision_group`'s host read among them, are not captured)
     or inside an overlap; TypeError / ValueError for bad arguments or a batch smaller
-    than `num_ubatches`; `fn`'s own errors from the warmup, where the dynamic `comm.moe`
-    path refuses (use `dispatch_fixed` / `combine_fixed`). A failure during the capture
-    ends it (no stream is left capturing), undoes the hooks (a workspace it locked is
-    unlocked) and re-raises;
+    than `num_ubatches`; `fn`'s own errors from the warmup, where code that cannot be
+    captured refuses (`capturing()`: the dynamic `comm.moe` path names `dispatch_fixed`).
+    A failure during the capture ends it (no stream is left capturing), undoes the hooks
+    (a workspace it locked is unlocked) and re-raises;
     the runner stays usable; the failed graph is kept (never freed) and a `pool` it used
     is refused from then on (RuntimeError: pass a new handle).
 
@@ -130,20 +130,15 @@ def capture_graph(
     return OverlapGraph(capture.graph, static_inputs, outputs)
 
 
-def refuse_under_capture(what: str) -> None:
-    """Raise RuntimeError naming `what` when called from a ubatch of a `capture_graph`
-    run (its warmup included, so that the refusal comes before anything is captured) or
-    on a capturing CUDA stream; otherwise return at once. For the dynamic `comm.moe`
-    path, whose host reads and data-dependent shapes a CUDA graph cannot hold."""
+def capturing() -> bool:
+    """Whether this call is part of a CUDA-graph capture: from a ubatch of a
+    `capture_graph` run (its warmup included, so that a refusal comes before anything is
+    captured) or on a capturing CUDA stream. For library code that cannot be captured
+    (host reads, shapes that depend on the data) to refuse with its own message."""
     state = run_state()
-    if (state is not None and state.get(_IN_CAPTURE)) or (
+    return bool(state is not None and state.get(_IN_CAPTURE)) or (
         torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-    ):
-        raise RuntimeError(
-            f"{what} cannot be captured in a CUDA graph (dbo.capture_graph): it reads the "
-            "routing counts on the host and its output shapes depend on them. Use "
-            "comm.moe.dispatch_fixed / comm.moe.combine_fixed (fixed shapes, no host read)"
-        )
+    )
 
 
 def _checked_arguments(fn: Any, num_ubatches: Any, warmup: Any, pool: Any) -> int:
@@ -205,7 +200,7 @@ def _warm_up_and_capture(
 
 
 def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, marking its run as one of `capture_graph`'s for `refuse_under_capture`."""
+    """`fn`, marking its run as one of `capture_graph`'s for `capturing()`."""
 
     def in_capture_graph(*args: Any, **kwargs: Any) -> Any:
         state = run_state()

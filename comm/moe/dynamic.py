@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import dbo
 from comm._checks import require_tensor, resolve_group
 from comm.collectives import all_reduce
 from comm.moe._exchange import (
@@ -25,7 +26,6 @@ from comm.moe._exchange import (
     sort_by_expert,
     weighted_sum,
 )
-from dbo.graphs import refuse_under_capture
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,12 @@ def dispatch(
     expert id outside `[0, num_experts)` on any rank raises ValueError on every rank
     after the counts exchange. Under CUDA-graph capture use `dispatch_fixed`.
     """
-    refuse_under_capture("comm.moe.dispatch")
+    if dbo.capturing():
+        raise RuntimeError(
+            "comm.moe.dispatch cannot be captured in a CUDA graph (dbo.capture_graph): it "
+            "reads the routing counts on the host and its output shapes depend on them. Use "
+            "comm.moe.dispatch_fixed / comm.moe.combine_fixed (fixed shapes, no host read)"
+        )
     base = resolve_group(group)
     world_size = base.size()
     x, topk_ids, num_experts = check_dispatch(x, topk_ids, num_experts, world_size)

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+import comm
 import dbo
 import dbo.graphs
 import workspace
 from dbo._context import num_registered_threads
-from dbo.graphs import refuse_under_capture
 
 
 class FakeCapture:
@@ -182,27 +182,26 @@ def test_a_non_tensor_static_input_must_be_equal_at_replay(fake_cuda: list[str])
         graph(torch.ones(4, 2), 4)
 
 
-def test_refuse_under_capture_returns_outside_capture_graph() -> None:
-    refuse_under_capture("comm.moe.dispatch")  # outside any overlap
+def test_capturing_is_false_outside_capture_graph() -> None:
+    assert dbo.capturing() is False  # outside any overlap
+    seen: list[bool] = []
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        refuse_under_capture("comm.moe.dispatch")  # in a plain overlap
+        seen.append(dbo.capturing())  # in a plain overlap
         return x
 
     dbo.overlap(fn)(torch.zeros(4, 2))
+    assert seen == [False, False]
 
 
-def test_refuse_under_capture_raises_on_a_capturing_cuda_stream(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_capturing_is_true_on_a_capturing_cuda_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="my_op cannot be captured"):
-        refuse_under_capture("my_op")
+    assert dbo.capturing() is True
 
 
 @pytest.mark.parametrize("phase", ["warmup", "capture"])
-def test_refuse_under_capture_raises_in_every_ubatch_of_a_capture_graph_run(
+def test_the_dynamic_moe_path_refuses_in_every_ubatch_of_a_capture_graph_run(
     fake_cuda: list[str], phase: str
 ) -> None:
     """Ubatch 1 refuses at its first call (warmup) or at its third (the capture, after
@@ -215,7 +214,7 @@ def test_refuse_under_capture_raises_in_every_ubatch_of_a_capture_graph_run(
         if dbo.current_ubatch_id() == 1:
             calls[0] += 1
             if calls[0] == (1 if phase == "warmup" else 3):
-                refuse_under_capture("comm.moe.dispatch")
+                comm.moe.dispatch(x, torch.zeros(4, 1, dtype=torch.long), 1)
         return x
 
     with pytest.raises(RuntimeError, match="comm.moe.dispatch cannot be captured.*dispatch_fixed"):
