@@ -1,5 +1,5 @@
 """Collectives left in flight by an aborted ubatch (gloo only: NCCL's teardown handles its
-own), kept until `settle()` sees them over: at exit (`dbo.runner.wait_at_exit`) and in
+own), kept until `settle()` sees them over: at exit (`dbo.wait_at_exit`) and in
 `comm.destroy_distributed`. The error reaches the caller at once, but gloo still runs
 them, and a process that ends meanwhile ends in SIGABRT. A forked child keeps none.
 """
@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from dbo.runner import wait_at_exit
+import dbo
 
 _lock = threading.Lock()
 _works: list[Any] = []
@@ -24,7 +24,7 @@ def abandon(work: Any) -> None:
     with _lock:
         _works[:] = [kept for kept in _works if not is_over(kept)]
         _works.append(work)
-    wait_at_exit(settle)
+    dbo.wait_at_exit(settle)
 
 
 def settle(timeout_s: float = 30.0) -> int:

@@ -25,8 +25,6 @@ wait blocks the host (on CUDA tensors too), are left to `comm._abandoned`.
 from __future__ import annotations
 
 import contextlib
-import sys
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -50,8 +48,6 @@ from comm._checks import (
     runs_on_nccl,
 )
 from comm.groups import group_registry
-from dbo import tracing
-from dbo.errors import describe
 
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
@@ -124,7 +120,7 @@ class CollectiveWork:
             raise RuntimeError(f"the collective {self._name} was abandoned: {self._error}")
         if self._error is not None:
             raise RuntimeError(
-                f"the collective {self._name} failed: {describe(self._error)}"
+                f"the collective {self._name} failed: {_described(self._error)}"
             ) from self._error
         if self._done:
             return True
@@ -139,13 +135,13 @@ class CollectiveWork:
                 dbo.yield_()
             except BaseException as error:
                 _leave_in_flight(self._work, self._nccl)  # aborted
-                self._fail(describe(error))
+                self._fail(_described(error))
                 raise
         try:
             if timeout is None:
-                _blocking(self._work.wait, self._name, None)
+                dbo.blocking_wait(self._work.wait, self._name)
             else:
-                _blocking(self._work.wait, self._name, None, timeout)
+                dbo.blocking_wait(self._work.wait, self._name, timeout)
         except BaseException as error:
             if timeout is not None and not _abandoned.is_over(self._work):
                 raise  # only the caller's timeout passed: still in flight, as torch's Work
@@ -224,26 +220,6 @@ class _ExitCell:
             handle._fail("its ubatch failed before waiting it")
 
 
-def _blocking(wait: Callable[..., Any], name: str, track: int | None, *args: Any) -> None:
-    """`wait(*args)`, recorded as "wait <name>" on `track` when a `dbo.trace()` is
-    active. `track` None: the calling thread's ubatch (a recv hook may wait another
-    ubatch's handle), or the caller's track outside an overlap."""
-    recording, profiling = tracing.active(), torch.autograd.profiler._is_profiler_enabled
-    if recording is None and not profiling:
-        wait(*args)
-        return
-    if track is None:
-        track = dbo.current_ubatch_id() if dbo.enabled() else tracing.CALLER
-    start = time.perf_counter()
-    profile_range = tracing.begin_range(track, f"wait {name}") if profiling else None
-    try:
-        wait(*args)
-    finally:
-        tracing.end_range(profile_range)
-        if recording is not None:  # interned: up to a million spans share one label
-            recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())
-
-
 def _run(
     name: str,
     launch: _Launch,
@@ -259,7 +235,7 @@ def _run(
         if async_op:
             work = launch(group, *args, True)
             return CollectiveWork(work, tensors, False, name, _on_nccl(group, tensors))
-        _blocking(launch, name, tracing.CALLER, group, *args, False)  # the plain blocking op
+        dbo.blocking_wait(launch, name, group, *args, False)  # the plain blocking op
         return None
     ubatch_id = dbo.current_ubatch_id()
     ubatch_group = _registry.lookup(group, ubatch_id, dbo.num_ubatches())
@@ -286,7 +262,7 @@ def _run(
         except BaseException:
             _leave_in_flight(work, _on_nccl(group, tensors))  # aborted, on the comm stream
             raise
-        _blocking(work.wait, name, ubatch_id)
+        dbo.blocking_wait(work.wait, name)
         return None
     finally:
         if switched:
@@ -404,3 +380,11 @@ def reduce_scatter_tensor(
         "reduce_scatter_tensor", _launch.reduce_scatter_tensor,
         (output, input, op), (output, input), base, async_op,
     )
+
+
+def _described(error: BaseException) -> str:
+    """`"Type: message"`, even when the error's `__str__` fails."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:  # noqa: BLE001 - a user's failing __str__
+        return type(error).__name__

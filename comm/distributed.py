@@ -24,7 +24,6 @@ import torch.distributed as dist
 import dbo
 from comm import _abandoned
 from comm.groups import destroy_ubatch_groups, group_registry, ubatch_groups
-from dbo._checks import MAX_NUM_UBATCHES
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a collective may wait for its peers before it raises (seconds)."""
@@ -181,9 +180,9 @@ def _check_arguments(backend: Any, timeout_s: Any, num_ubatch_groups: Any) -> No
         )
     if isinstance(num_ubatch_groups, bool) or not isinstance(num_ubatch_groups, int):
         raise TypeError(f"num_ubatch_groups must be an int >= 0, got {num_ubatch_groups!r}")
-    if not 0 <= num_ubatch_groups <= MAX_NUM_UBATCHES:
+    if not 0 <= num_ubatch_groups <= dbo.MAX_NUM_UBATCHES:
         raise ValueError(
-            f"num_ubatch_groups must be in [0, {MAX_NUM_UBATCHES}], got {num_ubatch_groups}"
+            f"num_ubatch_groups must be in [0, {dbo.MAX_NUM_UBATCHES}], got {num_ubatch_groups}"
         )
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed support")

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 import dbo
 from comm._checks import _still_registered, resolve_group
-from dbo._checks import check_num_ubatches
 
 
 class UBatchGroupRegistry:
@@ -241,7 +240,7 @@ def ubatch_groups(
     ignore `ranks=` and `key=`) repeated calls stay in step with the members. A key
     names one group object: use a new key for a base group created again.
     """
-    num_ubatches = check_num_ubatches(num_ubatches)
+    num_ubatches = dbo.check_num_ubatches(num_ubatches)
     try:  # on every rank, so that a bad call raises alike on members and non-members
         hash(key)
     except TypeError:

@@ -20,6 +20,7 @@ enabled, one ubatch), so model code written for DBO also runs without it.
 """
 
 from dbo import hf
+from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
 from dbo.api import (
     at_ubatch_exit,
     current_stream,
@@ -40,20 +41,20 @@ from dbo.errors import OverlapTimeoutError, UBatchAbortedError
 from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph, capturing
 from dbo.hooks import yield_between
 from dbo.overlap import close_default_runners, overlap
-from dbo.runner import RunnerState, UBatchRunner
+from dbo.runner import RunnerState, UBatchRunner, wait_at_exit
 from dbo.split import default_merge, default_split, merge_parts
 from dbo.stateful import register_split_rule
 from dbo.token_split import TokenSplit, balanced_token_split
-from dbo.tracing import Trace, trace
+from dbo.tracing import Trace, blocking_wait, trace
 
 __all__ = [
-    "OverlapGraph", "OverlapTimeoutError", "RunnerState", "Trace", "TokenSplit",
-    "UBatchAbortedError", "UBatchRunner", "add_capture_hook", "at_ubatch_exit",
-    "balanced_token_split",
-    "capture_graph", "capturing", "close_default_runners", "current_stream", "current_ubatch_id",
+    "MAX_NUM_UBATCHES", "OverlapGraph", "OverlapTimeoutError", "RunnerState", "TokenSplit",
+    "Trace", "UBatchAbortedError", "UBatchRunner", "add_capture_hook", "at_ubatch_exit",
+    "balanced_token_split", "blocking_wait", "capture_graph", "capturing",
+    "check_num_ubatches", "close_default_runners", "current_stream", "current_ubatch_id",
     "default_merge", "default_split", "enabled", "hf", "maybe_run_recv_hook", "merge_parts",
-    "num_ubatches", "on_comm_stream", "overlap", "register_recv_hook", "register_split_rule",
-    "run_state",
-    "switch_to_comm", "switch_to_compute", "trace", "yield_", "yield_and_switch_to_comm",
-    "yield_and_switch_to_compute", "yield_between",
+    "num_ubatches", "on_comm_stream", "overlap", "register_recv_hook",
+    "register_split_rule", "run_state", "switch_to_comm", "switch_to_compute", "trace",
+    "wait_at_exit", "yield_", "yield_and_switch_to_comm", "yield_and_switch_to_compute",
+    "yield_between",
 ]

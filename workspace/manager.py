@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 import dbo
-from dbo._checks import check_num_ubatches
 from dbo._context import current_registration, registration_of_thread
 
 ALIGNMENT_BYTES = 256
@@ -216,7 +215,7 @@ class WorkspaceManager:
     """
 
     def __init__(self, device: torch.device | str | int, num_ubatches: int | None = None) -> None:
-        num_ubatches = check_num_ubatches(1 if num_ubatches is None else num_ubatches)
+        num_ubatches = dbo.check_num_ubatches(1 if num_ubatches is None else num_ubatches)
         self._device = _normalized_device(device)
         self._slots = tuple(_Slot() for _ in range(num_ubatches))
         self._capacity_bytes = 0

@@ -233,7 +233,8 @@ def test_only_the_first_wait_may_yield(monkeypatch: pytest.MonkeyPatch) -> None:
     """Yield points must not depend on timing: a wait whose own timeout passed (timing)
     must not make the next wait yield again, nor a first wait(yield_first=False)."""
     yields: list[int] = []
-    inside = SimpleNamespace(enabled=lambda: True, yield_=lambda: yields.append(1))
+    inside = SimpleNamespace(enabled=lambda: True, yield_=lambda: yields.append(1),
+                             blocking_wait=dbo.blocking_wait)
     monkeypatch.setattr(comm.collectives, "dbo", inside)
     timed_out = CollectiveWork(
         _FakeWork(RuntimeError("Operation timed out!"), True, completed=False), (), yields=True

@@ -51,3 +51,17 @@ def test_dbo_imports_neither_workspace_nor_comm_nor_transformers() -> None:
         text = source.read_text()
         for needle in ("import workspace", "import comm", 'sys.modules.get("workspace")'):
             assert needle not in text, f"{source.name}: {needle}"
+
+
+def test_comm_uses_dbo_only_through_its_public_names() -> None:
+    """comm imports `dbo` and uses what `dbo/__init__.py` exports, never a private module."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "comm"
+    for source in root.rglob("*.py"):
+        text = source.read_text()
+        assert not re.search(r"^\s*from dbo[ .]|^\s*import dbo\.", text, re.M), source.name
+        assert not re.search(r"\bdbo\.(_\w+|runner|graphs|tracing|errors|split)\b", text), (
+            source.name
+        )
