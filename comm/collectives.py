@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from comm import _abandoned, _launch
+from comm import _abandoned
 from comm._checks import (
     check_all_to_all,
     check_async_op,
@@ -54,7 +54,7 @@ _registry = group_registry()
 _CudaStream = torch.cuda.Stream
 
 _Launch = Callable[..., Any]
-"""`launch(group, *args, async_op) -> Work | None`: one of `comm._launch`'s functions."""
+"""`launch(group, *args, async_op) -> Work | None`: one of the `_launch_*` functions below."""
 
 
 class CollectiveWork:
@@ -295,7 +295,7 @@ def all_to_all_single(
         output, input, output_split_sizes, input_split_sizes, facts.size
     )
     return _run(
-        "all_to_all_single", _launch.all_to_all_single,
+        "all_to_all_single", _launch_all_to_all_single,
         (output, input, output_splits, input_splits), (output, input), base, async_op,
     )
 
@@ -320,7 +320,7 @@ def all_reduce(
     require_contiguous("tensor", tensor, any_memory_format=True)
     if facts.is_nccl:
         require_backend_device(base, "tensor", tensor)
-    return _run("all_reduce", _launch.all_reduce, (tensor, op), (tensor,), base, async_op)
+    return _run("all_reduce", _launch_all_reduce, (tensor, op), (tensor,), base, async_op)
 
 
 def all_gather_into_tensor(
@@ -347,7 +347,7 @@ def all_gather_into_tensor(
         "all_gather_into_tensor", "output", output, "input", input, base, facts.size
     )
     return _run(
-        "all_gather_into_tensor", _launch.all_gather_into_tensor,
+        "all_gather_into_tensor", _launch_all_gather_into_tensor,
         (output, input), (output, input), base, async_op,
     )
 
@@ -377,9 +377,46 @@ def reduce_scatter_tensor(
         "reduce_scatter_tensor", "input", input, "output", output, base, facts.size
     )
     return _run(
-        "reduce_scatter_tensor", _launch.reduce_scatter_tensor,
+        "reduce_scatter_tensor", _launch_reduce_scatter_tensor,
         (output, input, op), (output, input), base, async_op,
     )
+
+
+# The launches: torch.distributed's public functions, which `comm` checked the arguments
+# of already (they check again; what that costs is in benchmarks/host_overhead.py).
+def _launch_all_to_all_single(
+    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None,
+    async_op: bool,
+) -> Any:
+    return dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def _launch_all_reduce(
+    group: dist.ProcessGroup, tensor: torch.Tensor, op: Any, async_op: bool
+) -> Any:
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+# `all_gather_single` / `reduce_scatter_single` are the names since torch 2.13 (the old
+# ones warn); older torch has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _launch_all_gather_into_tensor(
+    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, async_op: bool
+) -> Any:
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def _launch_reduce_scatter_tensor(
+    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, op: Any,
+    async_op: bool,
+) -> Any:
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 def _described(error: BaseException) -> str:

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 import comm
 import comm._checks
-import comm._launch
 import comm.collectives
 import dbo
 from comm.collectives import CollectiveWork
@@ -154,8 +153,8 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
         return launch
 
-    monkeypatch.setattr(comm._launch, "all_gather_into_tensor", record("all_gather"))
-    monkeypatch.setattr(comm._launch, "reduce_scatter_tensor", record("reduce_scatter"))
+    monkeypatch.setattr(comm.collectives, "_launch_all_gather_into_tensor", record("all_gather"))
+    monkeypatch.setattr(comm.collectives, "_launch_reduce_scatter_tensor", record("reduce_scatter"))
     return seen
 
 
@@ -327,7 +326,7 @@ def test_an_async_handle_dropped_by_an_abort_at_a_later_yield_is_settled(
         launched.append(_FakeWork(completed=False))
         return launched[-1]
 
-    monkeypatch.setattr(comm._launch, "all_reduce", launch)
+    monkeypatch.setattr(comm.collectives, "_launch_all_reduce", launch)
 
     def body(x: torch.Tensor) -> torch.Tensor:
         import dbo
@@ -375,7 +374,7 @@ def test_a_collective_left_in_flight_by_an_aborted_ubatch_is_settled(
     from comm import _abandoned
 
     in_flight = _FakeWork(completed=False)
-    monkeypatch.setattr(comm._launch, "all_reduce", lambda *args: in_flight)
+    monkeypatch.setattr(comm.collectives, "_launch_all_reduce", lambda *args: in_flight)
 
     def body(x: torch.Tensor) -> torch.Tensor:
         import dbo

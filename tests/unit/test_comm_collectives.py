@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import comm
 import dbo
-from comm import _launch
+from comm import collectives
 
 
 def test_collectives_need_an_initialized_world() -> None:
@@ -123,13 +123,13 @@ def test_inside_an_overlap_ubatch_i_uses_its_duplicate_group(
 ) -> None:
     groups = comm.ubatch_groups(None, 2)
     used: list[tuple[int, Any]] = []
-    original = _launch.all_reduce
+    original = collectives._launch_all_reduce
 
     def recording_all_reduce(group: Any, *args: Any) -> Any:
         used.append((dbo.current_ubatch_id(), group))
         return original(group, *args)
 
-    monkeypatch.setattr(_launch, "all_reduce", recording_all_reduce)
+    monkeypatch.setattr(collectives, "_launch_all_reduce", recording_all_reduce)
 
     def body(x: torch.Tensor) -> torch.Tensor:
         comm.all_reduce(x)
@@ -182,8 +182,8 @@ def test_bad_arguments_raise_before_launching(
 ) -> None:
     launched: list[str] = []
     for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor",
-                 "reduce_scatter_tensor"):  # both launch paths go through these
-        monkeypatch.setattr(_launch, name, lambda *a, _n=name: launched.append(_n))
+                 "reduce_scatter_tensor"):  # every launch goes through these
+        monkeypatch.setattr(collectives, f"_launch_{name}", lambda *a, _n=name: launched.append(_n))
     with pytest.raises(error, match=text):
         call()
     assert launched == []

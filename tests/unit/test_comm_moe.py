@@ -9,7 +9,7 @@ import torch
 
 import comm
 import dbo
-from comm import _launch
+from comm import collectives
 
 
 def test_dispatch_groups_rows_by_expert_and_combine_weights_them(world_of_one: None) -> None:
@@ -86,7 +86,8 @@ def test_bad_dispatch_raises_before_any_collective(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch, index: int
 ) -> None:
     launched: list[Any] = []
-    monkeypatch.setattr(_launch, "all_to_all_single", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
+                        lambda *a, **k: launched.append(a))
     call, error, text = _bad_dispatch_calls()[index]
     with pytest.raises(error, match=text):
         call()
@@ -98,9 +99,10 @@ def test_an_expert_id_out_of_range_raises_after_the_counts_exchange_only(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch, bad_id: int
 ) -> None:
     launched: list[Any] = []
-    real = _launch.all_to_all_single
+    real = collectives._launch_all_to_all_single
     monkeypatch.setattr(
-        _launch, "all_to_all_single", lambda *a, **k: launched.append(a) or real(*a, **k)
+        collectives, "_launch_all_to_all_single",
+        lambda *a, **k: launched.append(a) or real(*a, **k),
     )
     ids = torch.tensor([[0, 1], [2, bad_id]])
     with pytest.raises(ValueError, match=r"\[0, 4\); the group's rank\(s\) \[0\] passed"):
@@ -116,7 +118,8 @@ def test_bad_combine_raises_before_any_collective(
     recv_x, _, handle = comm.moe.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), 2)
     weights = torch.ones(4, 2)
     launched: list[Any] = []
-    monkeypatch.setattr(_launch, "all_to_all_single", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
+                        lambda *a, **k: launched.append(a))
     cases = [
         (lambda: comm.moe.combine(recv_x[:7], handle, weights), ValueError, "num_recv_tokens = 8"),
         (lambda: comm.moe.combine(recv_x, handle, weights[:, :1]), ValueError, r"\[4, 2\]"),
@@ -143,7 +146,8 @@ def test_dispatch_refuses_a_cuda_graph_capture_and_names_the_fixed_shape_path(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launched: list[Any] = []
-    monkeypatch.setattr(_launch, "all_to_all_single", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
+                        lambda *a, **k: launched.append(a))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="comm.moe.dispatch cannot be captured.*dispatch_fixed"):
