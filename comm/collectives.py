@@ -382,6 +382,25 @@ def reduce_scatter_tensor(
     )
 
 
+def unchecked_all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None, group: dist.ProcessGroup, async_op: bool,
+) -> CollectiveWork | None:
+    """`all_to_all_single` for `comm`'s own callers (`comm.moe`), which made the tensors
+    and the split lists themselves and resolved `group` (a ProcessGroup): no checks."""
+    return _run(
+        "all_to_all_single", _launch_all_to_all_single,
+        (output, input, output_split_sizes, input_split_sizes), (output, input), group, async_op,
+    )
+
+
+def unchecked_all_reduce(
+    tensor: torch.Tensor, op: Any, group: dist.ProcessGroup, async_op: bool = False
+) -> CollectiveWork | None:
+    """`all_reduce` for `comm`'s own callers, as `unchecked_all_to_all_single`."""
+    return _run("all_reduce", _launch_all_reduce, (tensor, op), (tensor,), group, async_op)
+
+
 # The launches: torch.distributed's public functions, which `comm` checked the arguments
 # of already (they check again; what that costs is in benchmarks/host_overhead.py).
 def _launch_all_to_all_single(

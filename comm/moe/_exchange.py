@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import dbo
 from comm._checks import require_same_device, require_tensor
-from comm.collectives import CollectiveWork, all_to_all_single
+from comm.collectives import CollectiveWork, unchecked_all_to_all_single
 
 Splits = tuple[int, ...] | None  # rows to/from each rank; None: equal parts
 
@@ -67,7 +67,7 @@ def exchange_counts(
     flags = bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)
     sent = torch.cat([counts_table, flags], dim=1)
     received = torch.empty_like(sent)
-    return received, all_to_all_single(received, sent, group=group, async_op=async_op)
+    return received, unchecked_all_to_all_single(received, sent, None, None, group, async_op)
 
 
 def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
@@ -150,11 +150,15 @@ def _send_rows(
     unless `async_op`."""
     num_rows = rows.shape[0] if output_splits is None else sum(output_splits)
     received = rows.new_empty((num_rows, *rows.shape[1:]))
-    work = all_to_all_single(
-        received, rows.contiguous(), output_splits, input_splits, group=group,
-        async_op=async_op,
+    work = unchecked_all_to_all_single(
+        received, rows.contiguous(), _as_list(output_splits), _as_list(input_splits), group,
+        async_op,
     )
     return received, work
+
+
+def _as_list(splits: Splits) -> list[int] | None:
+    return None if splits is None else list(splits)
 
 
 class _ExchangeRows(torch.autograd.Function):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import dbo
 from comm._checks import require_tensor, resolve_group
-from comm.collectives import all_reduce
+from comm.collectives import unchecked_all_reduce
 from comm.moe._exchange import (
     check_dispatch,
     check_weights,
@@ -175,7 +175,7 @@ def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.
     needs_grad = expert_out.requires_grad
     # torch.full: a copy from host memory would be one more host sync.
     flag = torch.full((1,), int(needs_grad), dtype=torch.int32, device=expert_out.device)
-    all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    unchecked_all_reduce(flag, dist.ReduceOp.MAX, group)
     if needs_grad or not bool(flag.item()):
         return None
     return torch.zeros(0, dtype=torch.float32, device=expert_out.device, requires_grad=True)
