@@ -7,7 +7,6 @@ thread never registered (the caller, a helper thread) sees none: outside an over
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,15 +35,12 @@ class UBatchContext:
 
 class _ThreadState(threading.local):
     context: UBatchContext | None = None
-    registration: int = 0
-    """This thread's registration number (unique in the process); 0: not registered."""
 
 
 _state = _ThreadState()
-_threads: dict[int, int] = {}
-"""Registration numbers by `threading.get_ident()`, for the workspace's questions about
-another thread. Single dict operations, atomic under the GIL: no lock."""
-_registration_numbers = itertools.count(1)
+_threads: set[int] = set()
+"""`threading.get_ident()` of the registered threads (the tests count them: none may be
+left registered). Single set operations, atomic under the GIL: no lock."""
 
 
 def reset_after_fork() -> None:
@@ -55,16 +51,6 @@ def reset_after_fork() -> None:
 def current_context() -> UBatchContext | None:
     """The calling thread's context, or None outside a ubatch thread."""
     return _state.context
-
-
-def current_registration() -> int:
-    """The calling thread's registration number (see `registered`); 0 outside one."""
-    return _state.registration
-
-
-def registration_of_thread(thread_ident: int) -> int:
-    """The registration number of the thread `thread_ident` now; 0 if not registered."""
-    return _threads.get(thread_ident, 0)
 
 
 def num_registered_threads() -> int:
@@ -88,13 +74,10 @@ class registered:  # noqa: N801 - used like the function-style context managers
                 f"this thread already runs ubatch {_state.context.ubatch_id}; "
                 "a thread can be registered for one ubatch at a time"
             )
-        number = next(_registration_numbers)
-        _threads[threading.get_ident()] = number
+        _threads.add(threading.get_ident())
         _state.context = self._context
-        _state.registration = number
         return self._context
 
     def __exit__(self, *exc_info: object) -> None:
         _state.context = None
-        _state.registration = 0
-        _threads.pop(threading.get_ident(), None)
+        _threads.discard(threading.get_ident())

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 import dbo
-from dbo._context import current_registration, registration_of_thread
 
 ALIGNMENT_BYTES = 256
 """Every view starts at an absolute address that is a multiple of this."""
@@ -31,6 +30,19 @@ code, e.g. from torch.compile, can create a new site per recompilation)."""
 _MB = float(1 << 20)
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _get_ident = threading.get_ident
+_RUN_TOKEN = "workspace.run_token"
+
+
+def _run_token() -> object | None:
+    """A small object that stands for the calling thread's overlap run (None outside one):
+    kept in `dbo.run_state()`, dropped with the run."""
+    state = dbo.run_state()
+    if state is None:
+        return None
+    token = state.get(_RUN_TOKEN)
+    if token is None:
+        token = state[_RUN_TOKEN] = object()
+    return token
 
 logger = logging.getLogger("workspace")
 
@@ -168,28 +180,27 @@ class _Slot:
     slow path, where the buffer is realized at the shared capacity.
     """
 
-    __slots__ = ("buffer", "entries", "registration", "user")
+    __slots__ = ("buffer", "entries", "run_token", "running", "user")
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.entries: dict[Any, _Entry] = {}
         self.user: int | None = None
         """`threading.get_ident()` of the thread that asked last."""
-        self.registration = 0
-        """That thread's `dbo._context` registration number when it asked (0 outside an
-        overlap): a number, so that the slot keeps nothing of a finished run alive."""
+        self.run_token: object | None = None
+        """The overlap run it asked from (`_run_token`; None outside an overlap): a small
+        object of the run's, so that the slot keeps nothing of a finished run alive."""
+        self.running = False
+        """Whether that ubatch still runs: set when it takes the slot, cleared when its
+        function returns or fails (`dbo.at_ubatch_exit`)."""
 
     @property
     def num_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
     def held_by_a_running_ubatch(self) -> bool:
-        """Whether the last user still runs the ubatch registration it asked from."""
-        return (
-            self.user is not None
-            and self.registration != 0
-            and registration_of_thread(self.user) == self.registration
-        )
+        """Whether the last user still runs the ubatch it asked from."""
+        return self.running
 
 
 class WorkspaceManager:
@@ -281,9 +292,9 @@ class WorkspaceManager:
             slot = self._slots[ubatch_id]
         except IndexError:
             raise self._no_slot_error(ubatch_id) from None
-        user, registration = _get_ident(), current_registration()
-        if slot.user != user or slot.registration != registration:
-            self._take_slot(slot, ubatch_id, user, registration)
+        user, token = _get_ident(), _run_token()
+        if slot.user != user or slot.run_token is not token:
+            self._take_slot(slot, ubatch_id, user, token)
         try:
             entry = slot.entries.get(shapes_and_dtypes)
         except TypeError:  # unhashable (a list shape): validated below
@@ -292,10 +303,10 @@ class WorkspaceManager:
             entry = self._prepare(slot, shapes_and_dtypes)
         return [make() for make in entry]
 
-    def _take_slot(self, slot: _Slot, ubatch_id: int, user: int, registration: int) -> None:
+    def _take_slot(self, slot: _Slot, ubatch_id: int, user: int, token: object | None) -> None:
         """Make the calling thread `slot`'s user, unless the last user still runs the
-        ubatch registration it asked from: two threads would then overwrite each other's
-        views (two overlaps at once, or a thread outside the overlap using slot 0)."""
+        ubatch it asked from: two threads would then overwrite each other's views (two
+        overlaps at once, or a thread outside the overlap using slot 0)."""
         with self._lock:
             if slot.user != user and slot.held_by_a_running_ubatch():
                 raise RuntimeError(
@@ -304,7 +315,14 @@ class WorkspaceManager:
                     "outside the overlap, which gets slot 0) would overwrite each other's "
                     "views. Run them one after the other, or give each its own WorkspaceManager"
                 )
-            slot.user, slot.registration = user, registration
+            slot.user, slot.run_token, slot.running = user, token, token is not None
+        if token is not None:
+
+            def release() -> None:  # this ubatch's function returned or failed
+                if slot.run_token is token:
+                    slot.running = False
+
+            dbo.at_ubatch_exit(release, on_failure=release)
 
     def _no_slot_error(self, ubatch_id: int) -> RuntimeError:
         return RuntimeError(

@@ -65,3 +65,14 @@ def test_comm_uses_dbo_only_through_its_public_names() -> None:
         assert not re.search(r"\bdbo\.(_\w+|runner|graphs|tracing|errors|split)\b", text), (
             source.name
         )
+
+
+def test_workspace_uses_dbo_only_through_its_public_names() -> None:
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "workspace"
+    for source in root.rglob("*.py"):
+        text = source.read_text()
+        assert not re.search(r"^\s*from dbo[ .]|^\s*import dbo\.", text, re.M), source.name
+        assert not re.search(r"\bdbo\._\w+", text), source.name
