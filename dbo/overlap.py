@@ -250,24 +250,28 @@ def _wrapper(
         name = "dbo.overlap"
         try:
             cut_args, cut_kwargs, held = hold_out(args, kwargs, whole_indices, whole_names)
-            leaves, size = _decided_size(
+
+            def make_parts(leaves: list[tuple[str, torch.Tensor]]) -> UBatchInputs:
+                # A caller in no_grad whose fn turns grad on: the parts keep their link to
+                # the inputs, as the inputs themselves would in a direct call.
+                with torch.set_grad_enabled(
+                    torch.is_grad_enabled() or any(leaf.requires_grad for _, leaf in leaves)
+                ):
+                    if split is None:  # the leaves were checked when sized
+                        local_size = leaves[0][1].size(0)  # every leaf has it (checked)
+                        return split_parts(cut_args, cut_kwargs, num_ubatches, local_size)
+                    parts = split(cut_args, cut_kwargs, num_ubatches)
+                    return _checked_split(parts, num_ubatches)
+
+            leaves, parts = _decided_parts(
                 cut_args, cut_kwargs, split is not None, decision_group, must_inline,
                 max(num_ubatches, min_batch_size or 1),
                 None if overlap_if is None else lambda: overlap_if(*args, **kwargs),
+                make_parts,
             )
-            if size is None:
+            if parts is None:
                 name = "dbo.overlap inline"
                 return inline(args, kwargs)
-            # A caller in no_grad whose fn turns grad on: the parts keep their link to the
-            # inputs, as the inputs themselves would in a direct call.
-            with torch.set_grad_enabled(
-                torch.is_grad_enabled() or any(leaf.requires_grad for _, leaf in leaves)
-            ):
-                if split is None:  # the leaves were checked when sized
-                    local_size = leaves[0][1].size(0)  # every leaf has it (checked)
-                    parts = split_parts(cut_args, cut_kwargs, num_ubatches, local_size)
-                else:
-                    parts = _checked_split(split(cut_args, cut_kwargs, num_ubatches), num_ubatches)
             run_device = device or next(
                 (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
             )
@@ -356,15 +360,18 @@ def _checked_split(parts: Any, num_ubatches: int) -> list[Any]:
     return parts
 
 
-def _decided_size(
+def _decided_parts(
     args: tuple[Any, ...], kwargs: dict[str, Any], custom_split: bool, group: Any,
     must_inline: bool, smallest: int, overlap_if: Callable[[], bool] | None,
-) -> tuple[list[tuple[str, torch.Tensor]], int | None]:
-    """The (path, tensor) leaves to split and the batch size to overlap, None to run
-    inline: this rank's decision (a batch of at least `smallest`, no mode, `overlap_if()`),
-    or with `group` every rank's together (a MIN all-reduce of the batch sizes, 0 from a
-    rank that runs inline; a rank that cannot size its input or whose `overlap_if` raises
-    votes before it raises, and every other rank then raises too instead of waiting)."""
+    make_parts: Callable[[list[tuple[str, torch.Tensor]]], UBatchInputs],
+) -> tuple[list[tuple[str, torch.Tensor]], UBatchInputs | None]:
+    """The (path, tensor) leaves to split and the ubatches' parts, None to run inline:
+    this rank's decision (a batch of at least `smallest`, no mode, `overlap_if()`; then
+    `make_parts`), or with `group` every rank's together (a MIN all-reduce of the batch
+    sizes, 0 from a rank that runs inline). A rank whose input cannot be sized, whose
+    `overlap_if` raises or whose split raises (a custom `split=`, a split rule) votes
+    before it raises, and every other rank then raises too instead of waiting."""
+    parts = None
     try:
         leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
         size = _largest_size(leaves) if custom_split else batch_size_of(leaves)
@@ -373,6 +380,8 @@ def _decided_size(
             check_objects(args, kwargs, size)  # type: ignore[arg-type]
         if wanted and overlap_if is not None:
             wanted = bool(overlap_if())
+        if wanted:
+            parts = make_parts(leaves)
     except Exception:
         if group is not None:
             with contextlib.suppress(Exception):  # this rank's own error says more
@@ -382,15 +391,15 @@ def _decided_size(
         size = _smallest_batch_across_ranks(size if wanted and size else 0, group, leaves)
         if size == _FAILED_RANK:
             raise RuntimeError(
-                "dbo.overlap: another rank of decision_group could not size its input (its "
-                "own error says why), so no rank runs the function: they would wait for "
-                "that rank's collectives"
+                "dbo.overlap: another rank of decision_group could not size or split its "
+                "input (its own error says why), so no rank runs the function: they would "
+                "wait for that rank's collectives"
             )
         wanted = size >= smallest
-    return leaves, size if wanted else None
+    return leaves, parts if wanted else None
 
 
-_FAILED_RANK = -1  # the vote of a rank whose input cannot be sized: the MIN tells every rank
+_FAILED_RANK = -1  # the vote of a rank that cannot size or split its input: the MIN tells all
 
 
 def _smallest_batch_across_ranks(

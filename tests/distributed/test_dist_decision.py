@@ -57,7 +57,7 @@ def test_ranks_agree_on_overlap_or_inline() -> None:
         assert tuple(o[1] for o in outcome.values()) == expected_rows
 
 
-def _one_rank_cannot_size_its_input() -> dict[str, object]:
+def _one_rank_cannot_size_or_split_its_input(failing_split: bool) -> dict[str, object]:
     rank, _, _ = comm.init_distributed(timeout_s=60)  # a hang would outlast the test
     calls: list[int] = []
 
@@ -66,9 +66,15 @@ def _one_rank_cannot_size_its_input() -> dict[str, object]:
         comm.all_reduce(x)
         return x + y
 
-    step = dbo.overlap(layer, decision_group=dist.group.WORLD, timeout_s=20)
-    # Rank 0's tensors disagree on dim 0: it cannot split them.
-    y = torch.zeros(3 if rank == 0 else 4, 2)
+    def split(args: tuple, kwargs: dict, num_ubatches: int) -> list:
+        if rank == 0:
+            raise ValueError("rank 0's split fails")
+        return dbo.default_split(args, kwargs, num_ubatches)
+
+    step = dbo.overlap(layer, decision_group=dist.group.WORLD, timeout_s=20,
+                       split=split if failing_split else None)
+    # Rank 0's tensors disagree on dim 0 (it cannot split them), or its split= raises.
+    y = torch.zeros(3 if rank == 0 and not failing_split else 4, 2)
     try:
         step(torch.zeros(4, 2), y)
     except Exception as error:  # noqa: BLE001 - reported to the test
@@ -84,11 +90,15 @@ def _one_rank_cannot_size_its_input() -> dict[str, object]:
 
 
 @pytest.mark.timeout(90)
-def test_a_rank_that_cannot_size_its_input_makes_every_rank_raise_not_wait() -> None:
-    values = expect_ok(run_world(_one_rank_cannot_size_its_input, 2, timeout_s=45))
+@pytest.mark.parametrize("failing_split", [False, True])
+def test_a_rank_that_cannot_size_or_split_its_input_makes_every_rank_raise_not_wait(
+    failing_split: bool,
+) -> None:
+    values = expect_ok(run_world(_one_rank_cannot_size_or_split_its_input, 2,
+                                 args=(failing_split,), timeout_s=45))
     assert values[0]["error"] == "ValueError", values[0]
     assert values[1]["error"] == "RuntimeError", values[1]
-    assert "another rank of decision_group could not size its input" in str(
+    assert "another rank of decision_group could not size or split its input" in str(
         values[1]["message"]
     )
     for value in values:
