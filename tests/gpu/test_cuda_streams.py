@@ -32,6 +32,23 @@ def test_ubatches_run_on_their_own_streams_and_join_the_callers() -> None:
     assert torch.cuda.current_stream() == caller_stream
 
 
+def test_comm_streams_have_the_greatest_priority_and_compute_streams_the_default() -> None:
+    """A transfer on a comm stream starts ahead of the other ubatch's queued GEMM blocks."""
+    _, greatest = torch.cuda.current_stream().priority_range()
+    seen: dict[str, set[int]] = {"compute": set(), "comm": set()}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen["compute"].add(torch.cuda.current_stream().priority)
+        dbo.switch_to_comm()
+        seen["comm"].add(torch.cuda.current_stream().priority)
+        dbo.switch_to_compute()
+        return x + 1
+
+    dbo.overlap(fn)(torch.zeros(8, device="cuda"))
+    assert seen["comm"] == {greatest}, seen
+    assert seen["compute"] == {0}, seen
+
+
 @pytest.mark.parametrize("num_ubatches", [2, 3])
 def test_cuda_overlap_is_bitwise_equal_to_serial(num_ubatches: int) -> None:
     torch.manual_seed(0)
