@@ -34,7 +34,7 @@ from transformers.cache_utils import (
 
 from dbo import stateful
 from dbo._hf_growing import Growing, GrowingRows, NewLayer, check_rows, growing_state
-from dbo.api import at_ubatch_exit
+from dbo.api import at_ubatch_exit, run_state
 
 _REGISTERED = False
 
@@ -94,8 +94,14 @@ class _Call:
         self.returned = 0
         self.children: list[Any] = []
         self.growing: Growing | None = None
+        self._run: dict[str, Any] | None = None
+        """The run the counts are of: the same parts can run again (`capture_graph`
+        splits once, then runs them for its warmup and its capture)."""
 
     def enter(self, ubatch: int) -> None:
+        state = run_state()
+        if state is not self._run:  # another run of the same parts: count afresh
+            self._run, self.entered, self.returned = state, [False] * len(self.entered), 0
         if not self.entered[ubatch]:
             self.entered[ubatch] = True
             at_ubatch_exit(self._returned)  # outside an overlap (a part used alone): never

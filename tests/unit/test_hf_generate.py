@@ -244,3 +244,44 @@ def test_beam_search_reorders_the_cache_between_steps_and_stays_token_identical(
         expected, got = both(model, ids, mask, ALWAYS, max_new_tokens=6, num_beams=2,
                              do_sample=False, cache_implementation=cache)
         assert torch.equal(got, expected), cache
+
+
+class _EagerCapture:
+    """Stands in for `dbo.graphs._Capture` on CPU: the captured run just runs."""
+
+    def __init__(self, device: torch.device, pool: Any) -> None:
+        self.device, self.graph = device, self
+
+    def current_stream(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def begin(self) -> None: ...
+
+    def end(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+def test_a_static_cache_in_capture_graph_advances_once_per_run_warmups_included(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """capture_graph splits once and runs the same parts warmup + 1 times: every run
+    (the captured one too, whose advance a replay repeats) adds its token to the length."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
+    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
+    model = tiny_model("qwen3_moe")
+    ids, mask = prompts(4, 6, seed=3)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    full = torch.cat([mask, torch.ones(4, 10, dtype=mask.dtype)], dim=1)
+
+    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        dbo.overlap(step, timeout_s=30)(ids, full[:, :6], cache)
+        assert int(cache.get_seq_length()) == 6
+        dbo.capture_graph(step, ids[:, -1:], full, cache, warmup=2)
+    assert int(cache.get_seq_length()) == 6 + 3
