@@ -176,8 +176,9 @@ def overlap(
         decision_group: a process group whose ranks decide together (a MIN all-reduce of
             the batch sizes per call): all overlap or none. Needed when ranks may see
             different batch sizes (or a mode on one rank only) and `fn` communicates, or
-            their collectives mismatch and hang; a rank whose input cannot be sized makes
-            every rank raise. Build the wrapper after `comm.init_distributed()`.
+            their collectives mismatch and hang; a rank whose input cannot be sized or
+            split (each rank splits before it votes) makes every rank raise. Build the
+            wrapper after `comm.init_distributed()`.
         overlap_if: `overlap_if(*args, **kwargs) -> bool`, called with the call's arguments
             once the batch passes the sizes above: False runs inline (a token count, a
             prefill or decode threshold). With `decision_group` it is this rank's vote.
