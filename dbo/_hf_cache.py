@@ -130,7 +130,7 @@ class _Call:
             if count:
                 layer.cumulative_length.add_(count)
             for child in self.children:
-                child.layers[index].written = None  # a captured graph's next replay
+                child.layers[index].written = None  # for the parts' next run (capture_graph)
 
 
 def _check_supported(cache: Any) -> None:

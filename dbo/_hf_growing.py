@@ -27,17 +27,22 @@ def check_rows(kind: str, have: int, batch_size: int) -> None:
 
 class _SharedLayer:
     """One layer's keys and values for every row of a DynamicCache: `[B, H, capacity, D]`
-    buffers. The caller's layer holds `whole_keys`/`whole_values`, views of the filled
-    part; during a call each ubatch appends to its rows from its own length."""
+    buffers. The caller's layer holds views of the filled part (`whole_keys` is the keys
+    view, or the layer's own keys the buffers were filled from); during a call each ubatch
+    appends to its rows from its own length."""
 
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-        self.length = 0
         self.whole_keys: torch.Tensor | None = None
         self.lengths: list[int] = []
         self.bytes_written = 0  # new tokens, and the copies of growth and refill
+
+    @property
+    def length(self) -> int:
+        """The tokens the caller's layer holds."""
+        return 0 if self.whole_keys is None else self.whole_keys.shape[-2]
 
     def holds(self, layer: Any) -> bool:
         """Whether `layer` holds this buffer's view (nothing changed it since the last call)."""
@@ -48,12 +53,12 @@ class _SharedLayer:
     def refill(self, layer: Any) -> None:
         """Make the buffers anew from `layer`'s contents (one copy)."""
         self.keys = self.values = self.whole_keys = None
-        self.length = layer.get_seq_length() if layer.is_initialized else 0
-        if self.length:
+        length = layer.get_seq_length() if layer.is_initialized else 0
+        if length:
             check_rows("DynamicCache", layer.keys.shape[0], self.batch_size)
-            self._allocate(layer.keys, layer.values, self.length)
-            self.keys[:, :, : self.length].copy_(layer.keys)  # type: ignore[index]
-            self.values[:, :, : self.length].copy_(layer.values)  # type: ignore[index]
+            self._allocate(layer.keys, layer.values, length)
+            self.keys[:, :, :length].copy_(layer.keys)  # type: ignore[index]
+            self.values[:, :, :length].copy_(layer.values)  # type: ignore[index]
             self.bytes_written += layer.keys.nbytes + layer.values.nbytes
             self.whole_keys = layer.keys
 
@@ -111,11 +116,11 @@ class _SharedLayer:
                 f"the ubatches wrote different numbers of tokens into one cache layer "
                 f"({self.lengths}); each must run the same forward on its rows"
             )
-        self.length = self.lengths[0]
+        length = self.lengths[0]
         if not layer.is_initialized:
             layer.lazy_initialization(self.keys, self.values)
-        layer.keys = self.keys[:, :, : self.length]
-        layer.values = self.values[:, :, : self.length]
+        layer.keys = self.keys[:, :, :length]
+        layer.values = self.values[:, :, :length]
         self.whole_keys = layer.keys
 
 

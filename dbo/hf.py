@@ -48,15 +48,12 @@ class GenerationOverlap:
     model back its own forward and compile setting; `forward` is the overlapped one."""
 
     def __init__(self, model: torch.nn.Module, forward: Callable[..., Any]) -> None:
+        """Install `forward` on `model` (and turn its generation's auto-compile off)."""
         self.model, self.forward = model, forward
         self._previous_forward = model.__dict__.get("forward", _UNSET)
         config = getattr(model, "generation_config", None)
         self._previous_disable_compile = getattr(config, "disable_compile", _UNSET)
-        self._active = False
-
-    def _install(self) -> None:
-        self.model.forward = self.forward
-        config = getattr(self.model, "generation_config", None)
+        model.forward = forward
         if config is not None:  # generate's auto-compile would trace the ubatch threads
             config.disable_compile = True
         self._active = True
@@ -132,9 +129,7 @@ def overlap_generation(
         overlap_if=worth_overlapping,
     )
     forward._dbo_generation = True  # type: ignore[attr-defined]
-    handle = GenerationOverlap(model, forward)
-    handle._install()
-    return handle
+    return GenerationOverlap(model, forward)
 
 
 def cache_bytes_written(cache: Any) -> int:

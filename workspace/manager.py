@@ -198,10 +198,6 @@ class _Slot:
     def num_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer.numel()
 
-    def held_by_a_running_ubatch(self) -> bool:
-        """Whether the last user still runs the ubatch it asked from."""
-        return self.running
-
 
 class WorkspaceManager:
     """One scratch buffer per ubatch slot; hands out typed views of the caller's slot.
@@ -308,7 +304,7 @@ class WorkspaceManager:
         ubatch it asked from: two threads would then overwrite each other's views (two
         overlaps at once, or a thread outside the overlap using slot 0)."""
         with self._lock:
-            if slot.user != user and slot.held_by_a_running_ubatch():
+            if slot.user != user and slot.running:
                 raise RuntimeError(
                     f"workspace slot {ubatch_id} is in use by another thread, which runs "
                     f"ubatch {ubatch_id} of an overlap now; two overlaps at once (or a thread "
@@ -474,7 +470,7 @@ class WorkspaceManager:
             )
         with self._lock:
             for index, slot in enumerate(self._slots):
-                if slot.held_by_a_running_ubatch():
+                if slot.running:
                     raise RuntimeError(
                         f"WorkspaceManager.lock() was called while ubatch {index} of an "
                         "overlap still uses its slot; it reallocates the slots under their "
