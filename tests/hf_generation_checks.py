@@ -12,6 +12,7 @@ import torch
 import dbo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import generate as generate_example  # noqa: E402 - the generation example
 from hf_moe import build_model  # noqa: E402 - the example's builder
 
 VOCAB = 64
@@ -38,13 +39,8 @@ def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
 
 
 def prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows` left-padded prompts of different lengths (row r has r % 4 pads) and the mask."""
-    ids = torch.randint(1, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    for row in range(rows):
-        pads = min(row % 4, length - 1)
-        ids[row, :pads], mask[row, :pads] = PAD, 0
-    return ids, mask
+    """The generation example's left-padded prompts (pad id `PAD`) and their mask."""
+    return generate_example.prompts(rows, length, VOCAB, seed, torch.device("cpu"))
 
 
 def generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **options: Any):
