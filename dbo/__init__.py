@@ -23,6 +23,7 @@ from dbo import hf
 from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
 from dbo.api import (
     at_ubatch_exit,
+    backward_state,
     current_stream,
     current_ubatch_id,
     enabled,
@@ -50,6 +51,7 @@ from dbo.tracing import Trace, blocking_wait, trace
 __all__ = [
     "MAX_NUM_UBATCHES", "OverlapGraph", "OverlapTimeoutError", "RunnerState", "TokenSplit",
     "Trace", "UBatchAbortedError", "UBatchRunner", "add_capture_hook", "at_ubatch_exit",
+    "backward_state",
     "balanced_token_split", "blocking_wait", "capture_graph", "capturing",
     "check_num_ubatches", "close_default_runners", "current_stream", "current_ubatch_id",
     "default_merge", "default_split", "enabled", "hf", "maybe_run_recv_hook", "merge_parts",

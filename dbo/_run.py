@@ -83,6 +83,9 @@ class OverlapRun:
         """The ubatch that failed first and its exception (what the caller re-raises)."""
         self.state: dict[str, Any] = {}
         """`dbo.run_state()`, dropped with the run."""
+        self.backward_states: list[dict[str, Any]] | None = None
+        """Per ubatch `dbo.backward_state()` when each ubatch's backward runs in its own
+        thread; None: the run's backward runs whole in one thread (`state`)."""
 
     @property
     def owner(self) -> object | None:

@@ -141,6 +141,12 @@ _saved_tensors_hooks_disabled = getattr(
     _autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None
 )
 _CPU = torch.device("cpu")
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Whether saved-tensor hooks are on in this thread (`torch.utils.checkpoint`,
+    `save_on_cpu`)."""
+    return _top_saved_tensors_hooks(True) is not None
 _function_mode_depth = getattr(torch._C, "_len_torch_function_stack", None)
 _dispatch_mode_depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _device_context_holder = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)

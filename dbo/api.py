@@ -62,6 +62,23 @@ def run_state() -> dict[str, Any] | None:
     return None if context is None or context.run is None else context.run.state
 
 
+def backward_state() -> dict[str, Any] | None:
+    """A dict shared by the ubatch code whose autograd backward runs as one sequence in
+    one thread; None outside an overlap.
+
+    For library code that must run its backward collectives in one order on every rank
+    (`comm.moe` chains its differentiable exchanges through it): this ubatch's own dict
+    when each ubatch's backward runs in its ubatch thread (`dbo.overlap` under grad
+    mode), the run's (`run_state()`) when the backward runs whole in the caller's thread
+    (`overlap_backward=False`, a `UBatchRunner`). Baton rules as for `run_state()`.
+    """
+    context = _state.context
+    if context is None or context.run is None:
+        return None
+    run = context.run
+    return run.state if run.backward_states is None else run.backward_states[context.ubatch_id]
+
+
 def yield_() -> None:
     """Pass the baton to the next live ubatch; return when it comes back.
 

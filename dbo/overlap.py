@@ -17,6 +17,7 @@ import torch
 
 from dbo import _affinity, _context, _thread_settings, tracing
 from dbo import runner as runner_module
+from dbo.backward import attach, own_leaves
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo.runner import RunnerState, UBatchRunner, check_timeout
@@ -126,7 +127,7 @@ def overlap(
     fn: F, *, num_ubatches: int = 2, split: SplitFn | None = None, merge: MergeFn | None = None,
     no_split: NoSplit = (), min_batch_size: int | None = None, timeout_s: float | None = None,
     device: torch.device | str | int | None = None, decision_group: Any = None,
-    overlap_if: Callable[..., bool] | None = None,
+    overlap_if: Callable[..., bool] | None = None, overlap_backward: bool = True,
 ) -> F: ...
 
 
@@ -136,6 +137,7 @@ def overlap(
     merge: MergeFn | None = None, no_split: NoSplit = (), min_batch_size: int | None = None,
     timeout_s: float | None = None, device: torch.device | str | int | None = None,
     decision_group: Any = None, overlap_if: Callable[..., bool] | None = None,
+    overlap_backward: bool = True,
 ) -> Callable[[F], F]: ...
 
 
@@ -144,7 +146,7 @@ def overlap(
     split: SplitFn | None = None, merge: MergeFn | None = None, no_split: NoSplit = (),
     min_batch_size: int | None = None, timeout_s: float | None = None,
     device: torch.device | str | int | None = None, decision_group: Any = None,
-    overlap_if: Callable[..., bool] | None = None,
+    overlap_if: Callable[..., bool] | None = None, overlap_backward: bool = True,
 ) -> Any:
     """Wrap `fn` so that each call splits its batch into ubatches and overlaps them.
 
@@ -182,6 +184,16 @@ def overlap(
         overlap_if: `overlap_if(*args, **kwargs) -> bool`, called with the call's arguments
             once the batch passes the sizes above: False runs inline (a token count, a
             prefill or decode threshold). With `decision_group` it is this rank's vote.
+        overlap_backward: under grad mode, autograd runs each ubatch's backward in its
+            ubatch thread, overlapped as the forward (`dbo.backward`): the gradients of the
+            outputs reach the arguments and parameters as if the ubatches had run in turn
+            (with two ubatches, bitwise). The function must then take every tensor that
+            requires grad and is computed before the call as an argument (ValueError
+            otherwise), not modify its arguments in place, and return every tensor a loss
+            uses; the backward takes no `create_graph=True`. False: the backward runs whole
+            in the caller's thread, blocking at each exchange (use it for those cases). It
+            does so anyway under saved-tensor hooks around the call (the call checkpointed
+            with `torch.utils.checkpoint`, `save_on_cpu`).
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
@@ -189,6 +201,8 @@ def overlap(
         raise (ValueError if type(min_batch_size) is int else TypeError)(
             f"min_batch_size must be >= 1 (an int, or None: no minimum), got {min_batch_size!r}"
         )
+    if not isinstance(overlap_backward, bool):
+        raise TypeError(f"overlap_backward must be True or False, got {overlap_backward!r}")
     for name, value in (("split", split), ("merge", merge), ("overlap_if", overlap_if)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be callable, got {value!r}")
@@ -198,7 +212,7 @@ def overlap(
     options: dict[str, Any] = dict(
         num_ubatches=num_ubatches, split=split, merge=merge, min_batch_size=min_batch_size,
         timeout_s=timeout_s, device=None if device is None else torch.device(device),
-        decision_group=decision_group, overlap_if=overlap_if,
+        decision_group=decision_group, overlap_if=overlap_if, overlap_backward=overlap_backward,
     )
     if fn is None:
         return functools.partial(overlap, no_split=no_split, **options)
@@ -223,7 +237,7 @@ def _wrapper(
     target: Callable[..., Any], whole: tuple[frozenset[int], frozenset[str], int], *,
     num_ubatches: int, split: SplitFn | None, merge: MergeFn | None,
     min_batch_size: int | None, timeout_s: float | None, device: torch.device | None,
-    decision_group: Any, overlap_if: Callable[..., bool] | None,
+    decision_group: Any, overlap_if: Callable[..., bool] | None, overlap_backward: bool,
 ) -> Callable[..., Any]:
     """The function `overlap` returns (its options checked)."""
 
@@ -276,16 +290,48 @@ def _wrapper(
             run_device = device or next(
                 (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
             )
+            inputs = put_back(parts, held)
+            # A recomputation (checkpointing around the call) reruns the whole call.
+            backward = (
+                overlap_backward and torch.is_grad_enabled()
+                and not _thread_settings.saved_tensors_hooks_active()
+            )
+            if backward:
+                inputs, own, replaced = own_leaves(inputs)
             with _runner_pool.lease(num_ubatches, device) as runner:
                 outputs = runner.run(
-                    target, put_back(parts, held), timeout_s=timeout_s, device=run_device
+                    target, inputs, timeout_s=timeout_s, device=run_device,
+                    backward_per_ubatch=backward,
                 )
+            if backward:
+                run_backward = functools.partial(
+                    _run_backward, num_ubatches, device, run_device, timeout_s
+                )
+                outputs = attach(outputs, own, replaced, run_backward)
             return (merge or default_merge)(outputs)
         finally:  # failed calls too: their turns are on the timeline
             if recording is not None:
                 recording.add(name, tracing.CALLER, start, time.perf_counter())
 
     return overlapped
+
+
+def _run_backward(
+    num_ubatches: int, device: torch.device | None, run_device: torch.device,
+    timeout_s: float | None, fn: Callable[..., Any], jobs: UBatchInputs,
+) -> list[Any]:
+    """Run one overlapped call's backward jobs (`dbo.backward`), each in its ubatch
+    thread; in turn in this thread when it is a ubatch thread (nothing nests)."""
+    if current_context() is not None:
+        return [fn(*args, **kwargs) for args, kwargs in jobs]
+    recording = tracing._active
+    start = time.perf_counter() if recording is not None else 0.0
+    try:
+        with _runner_pool.lease(num_ubatches, device) as runner:
+            return runner.run(fn, jobs, timeout_s=timeout_s, device=run_device)
+    finally:
+        if recording is not None:
+            recording.add("dbo.overlap backward", tracing.CALLER, start, time.perf_counter())
 
 
 def _whole_arguments(

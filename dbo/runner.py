@@ -271,8 +271,12 @@ class UBatchRunner:
         *,
         timeout_s: float | None = None,
         device: torch.device | None = None,
+        backward_per_ubatch: bool = False,
     ) -> list[Any]:
         """Run `fn(*args_i, **kwargs_i)` in ubatch thread i; return the outputs in order.
+
+        `backward_per_ubatch`: the caller runs each ubatch's autograd backward in its
+        ubatch thread (`dbo.overlap` does), so `dbo.backward_state()` is per ubatch.
 
         `device` picks the ubatch streams for this run when the runner has none of its
         own; by default, the device of the first CUDA tensor in the inputs (else CPU). A
@@ -305,6 +309,8 @@ class UBatchRunner:
             )
         with self._run_lock:
             run = self._new_run(inputs, device)
+            if backward_per_ubatch:
+                run.backward_states = [{} for _ in range(self.num_ubatches)]
             results: list[Any] = [None] * self.num_ubatches
             errors: list[BaseException | None] = [None] * self.num_ubatches
             settings = _thread_settings.capture()

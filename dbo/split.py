@@ -31,7 +31,8 @@ def _is_leaf(node: Any) -> bool:
     return isinstance(node, torch.Size) or stateful.rule_for(node) is not None
 
 
-def _flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """`tree`'s leaves and spec; shapes and objects with a split rule are leaves."""
     return pytree.tree_flatten(tree, is_leaf=_is_leaf)
 
 
@@ -58,7 +59,7 @@ def check_objects(args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int
     for root, value in named + [(f"kwargs[{key!r}]", v) for key, v in kwargs.items()]:
         if isinstance(value, (torch.Tensor, bool, int, float, str, type(None))):
             continue  # the usual arguments, without a tree walk
-        leaves, _ = _flatten(value)
+        leaves, _ = flatten(value)
         for index, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor) or stateful.rule_for(leaf) is not None:
                 continue
@@ -86,7 +87,7 @@ def splittable_leaves(
             if value.ndim >= 1:
                 found.append((root, value))
             continue
-        leaves, _ = _flatten(value)
+        leaves, _ = flatten(value)
         if any(_splittable(leaf) for leaf in leaves):
             paths = _leaf_paths(value, root)
             found += [(path, leaf) for path, leaf in zip(paths, leaves) if _splittable(leaf)]
@@ -226,12 +227,12 @@ def default_merge(outputs: Sequence[Any]) -> Any:
         for output in outputs[1:]
     ):
         return _merged_columns([outputs], first)[0]  # the usual case: no tree walk
-    flattened = [_flatten(output) for output in outputs]
+    flattened = [flatten(output) for output in outputs]
     spec = flattened[0][1]
     for index in range(1, len(outputs)):
         if flattened[index][1] != spec:
             # Dicts built in another order (keys inserted per branch) still merge.
-            flattened[index] = _flatten(_ordered_like(outputs[index], first))
+            flattened[index] = flatten(_ordered_like(outputs[index], first))
         if flattened[index][1] != spec:
             raise ValueError(
                 f"dbo.overlap cannot merge: ubatch 0 returned {_describe(spec)} but ubatch "

@@ -5,8 +5,9 @@ Backward takes the same all-to-alls back, in one order on every rank, which auto
 does not give for graphs recorded in several threads. So each differentiable exchange
 takes zero-element *order tokens* and returns one, and its backward runs before those
 of the exchanges whose tokens it took: `combine` takes `dispatch`'s, and inside an
-overlap each exchange takes the run's latest (`dbo.run_state()`) and publishes its own
-before it yields. Gradients are first order.
+overlap each exchange takes the latest of the code whose backward runs in one thread
+(`dbo.backward_state()`: its ubatch's, or the run's) and publishes its own before it
+yields. Gradients are first order.
 """
 
 from __future__ import annotations
@@ -104,11 +105,11 @@ def check_weights(
     require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
 
 
-_ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.run_state()` key: the run's latest token
+_ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.backward_state()` key: the latest token
 
 
 def run_has_order_token() -> bool:
-    state = dbo.run_state()
+    state = dbo.backward_state()
     return state is not None and state.get(_ORDER_TOKEN_KEY) is not None
 
 
@@ -118,11 +119,11 @@ def exchange_rows(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`. Through
     `_ExchangeRows` when grad mode is on and `rows`, `anchor` or the run's latest token
-    requires grad (inside an overlap its token becomes the run's latest before it
+    requires grad (inside an overlap its token becomes the latest before it
     yields); else a plain all-to-all and no token."""
     if not torch.is_grad_enabled():
         return _send_rows(rows, output_splits, input_splits, group)[0], None
-    state = dbo.run_state()
+    state = dbo.backward_state()
     latest = None if state is None else state.get(_ORDER_TOKEN_KEY)
     tokens: tuple[torch.Tensor, ...] = () if latest is None else (latest,)
     if anchor is not None and anchor.requires_grad and not any(t is anchor for t in tokens):

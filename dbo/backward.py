@@ -1,0 +1,232 @@
+"""The backward of an overlapped call, each ubatch's in its own ubatch thread.
+
+Before the forward, `own_leaves` gives every ubatch leaves of its own: each tensor
+argument that requires grad is detached (`requires_grad` kept), so that a ubatch's
+autograd graph ends at its arguments instead of running on into the caller's. After it,
+`attach` puts one autograd node between the ubatches' outputs and the caller: its inputs
+are the arguments as split (they lead upstream) and the other leaves the ubatches'
+graphs reach (parameters); its outputs alias the ubatches' outputs. When autograd
+reaches the node it runs `torch.autograd.grad` of each ubatch's outputs in that
+ubatch's thread (`run_ubatches`: the baton passes at the yield points of the backward,
+such as `comm.moe`'s exchanges), then returns each argument's gradient (autograd
+carries it upstream) and each parameter's, summed over the ubatches in ubatch order:
+with two ubatches the bits of autograd's own sum over the same ubatches in turn.
+
+Each ubatch's backward runs wholly in its thread (`set_multithreading_enabled(False)`:
+on CUDA autograd would otherwise run every ubatch's kernels on its one device thread),
+on the streams its forward ran on (autograd runs an op's backward on its forward's
+stream). Only what comes out of the call's outputs is overlapped: a gradient that
+reaches a ubatch's graph another way (a tensor kept aside in `fn`) raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from dbo.split import UBatchInputs, flatten
+
+RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
+"""`run_ubatches(fn, [(args_i, kwargs_i), ...]) -> [fn(*args_i, **kwargs_i), ...]`, each in
+its ubatch thread, or in turn in this thread (inside a ubatch, where nothing nests)."""
+
+_AccumulateGrad = type(torch.empty(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
+"""The autograd node of a leaf (its `variable`)."""
+
+
+def own_leaves(
+    parts: UBatchInputs,
+) -> tuple[UBatchInputs, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Each ubatch's arguments with every tensor that requires grad replaced by a detached
+    leaf of its own (one per tensor, however often it is passed); per ubatch its leaves
+    and the tensors they replaced, in the same order."""
+    mine_parts: UBatchInputs = []
+    mine: list[list[torch.Tensor]] = []
+    replaced: list[list[torch.Tensor]] = []
+    for part in parts:
+        leaves, spec = flatten(part)
+        own: dict[int, torch.Tensor] = {}
+        originals: list[torch.Tensor] = []
+        for index, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                if id(leaf) not in own:
+                    own[id(leaf)] = leaf.detach().requires_grad_()
+                    originals.append(leaf)
+                leaves[index] = own[id(leaf)]
+        mine_parts.append(pytree.tree_unflatten(leaves, spec) if own else part)
+        mine.append(list(own.values()))
+        replaced.append(originals)
+    return mine_parts, mine, replaced
+
+
+class _Plan:
+    """What the node needs for its backward: per ubatch its differentiable outputs and
+    the tensors to differentiate them by (its own leaves, then its graph's other leaves,
+    `shared[k]` for each k in `shared_at`)."""
+
+    def __init__(self, run_ubatches: RunUBatches) -> None:
+        self.run_ubatches = run_ubatches
+        self.outputs: list[list[torch.Tensor]] = []
+        self.own: list[list[torch.Tensor]] = []
+        self.shared: list[torch.Tensor] = []
+        self.shared_at: list[list[int]] = []
+
+
+def attach(
+    outputs: list[Any], own: list[list[torch.Tensor]], replaced: list[list[torch.Tensor]],
+    run_ubatches: RunUBatches,
+) -> list[Any]:
+    """The ubatches' outputs, each tensor that requires grad replaced by an alias whose
+    gradient runs the ubatches' backward through `run_ubatches`; `outputs` as they are
+    when none requires grad. `own[i]`: ubatch i's leaves from `own_leaves`, `replaced[i]`
+    the tensors they replaced. ValueError when two ubatches' graphs meet other than at
+    leaves (a tensor that requires grad, computed before the call and used inside it)."""
+    plan = _Plan(run_ubatches)
+    flat = [flatten(output) for output in outputs]
+    for leaves, _ in flat:
+        plan.outputs.append([
+            leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ])
+    if not any(plan.outputs):
+        return outputs
+    seen: dict[Any, int] = {}
+    index_of: dict[int, int] = {}
+    for ubatch_id, ubatch_outputs in enumerate(plan.outputs):
+        reached = _graph_leaves(ubatch_outputs, own[ubatch_id], ubatch_id, seen)
+        at = []
+        for leaf in reached:
+            if id(leaf) not in index_of:
+                index_of[id(leaf)] = len(plan.shared)
+                plan.shared.append(leaf)
+            at.append(index_of[id(leaf)])
+        plan.own.append(own[ubatch_id])
+        plan.shared_at.append(at)
+    inputs = [tensor for tensors in replaced for tensor in tensors]
+    aliases = iter(_UBatchesBackward.apply(plan, *inputs, *plan.shared))
+    merged = []
+    for leaves, spec in flat:
+        leaves = [
+            next(aliases) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
+            for leaf in leaves
+        ]
+        merged.append(pytree.tree_unflatten(leaves, spec))
+    return merged
+
+
+def _graph_leaves(
+    outputs: list[torch.Tensor], own: list[torch.Tensor], ubatch_id: int, seen: dict[Any, int]
+) -> list[torch.Tensor]:
+    """The leaves that require grad which ubatch `ubatch_id`'s graph reaches from
+    `outputs`, other than its `own`, in the order found; `seen` maps each inner node
+    walked so far to its ubatch (ValueError for one another ubatch walked)."""
+    own_ids = {id(tensor) for tensor in own}
+    found: list[torch.Tensor] = []
+    found_ids: set[int] = set()
+
+    def leaf(tensor: torch.Tensor) -> None:
+        if id(tensor) not in own_ids and id(tensor) not in found_ids:
+            found_ids.add(id(tensor))
+            found.append(tensor)
+
+    stack = []
+    for output in outputs:
+        if output.grad_fn is None:
+            leaf(output)  # a leaf returned as it is (a parameter)
+        elif seen.setdefault(output.grad_fn, ubatch_id) == ubatch_id:
+            stack.append(output.grad_fn)
+    while stack:
+        for node, _ in stack.pop().next_functions:
+            if node is None:
+                continue
+            if type(node) is _AccumulateGrad:
+                leaf(node.variable)
+                continue
+            walked_by = seen.get(node)
+            if walked_by is None:
+                seen[node] = ubatch_id
+                stack.append(node)
+            elif walked_by != ubatch_id:
+                raise ValueError(
+                    f"dbo.overlap: the autograd graphs of ubatches {walked_by} and {ubatch_id} "
+                    f"meet at {node.name()}, which no argument of the call leads to: the "
+                    "function uses a tensor that requires grad and was computed before the "
+                    "call (a closure, a module attribute) instead of taking it as an "
+                    "argument. Pass it as an argument (no_split= passes it whole), or pass "
+                    "overlap_backward=False: then the backward runs in the caller's thread"
+                )
+    return found
+
+
+class _UBatchesBackward(torch.autograd.Function):
+    """Inputs: the plan, the split arguments that require grad (ubatch by ubatch), then
+    the shared leaves. Outputs: aliases of the ubatches' differentiable outputs."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)  # an unused output: no backward for it
+        return tuple(output.detach() for outputs in plan.outputs for output in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        plan: _Plan | None = ctx.plan
+        if plan is None:
+            raise RuntimeError(
+                "Trying to backward through the graph of a dbo.overlap call a second time; "
+                "its buffers were freed. Specify retain_graph=True the first time"
+            )
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "dbo.overlap runs each ubatch's backward in its ubatch thread, which does "
+                "not record a graph of the backward: create_graph=True (double backward, "
+                "a gradient penalty) is not supported there. Pass overlap_backward=False "
+                "to dbo.overlap: the backward then runs whole in the caller's thread"
+            )
+        keep_graph = _keep_graph()
+        if not keep_graph:
+            ctx.plan = None  # the ubatches' graphs go with their backward, as autograd's do
+        jobs: UBatchInputs = []
+        position = 0
+        for ubatch_id, outputs in enumerate(plan.outputs):
+            roots = [
+                (output, grad)
+                for output, grad in zip(outputs, grads[position:position + len(outputs)])
+                if grad is not None
+            ]
+            position += len(outputs)
+            wrt = [*plan.own[ubatch_id], *(plan.shared[k] for k in plan.shared_at[ubatch_id])]
+            jobs.append(((roots, wrt, keep_graph), {}))
+        results = plan.run_ubatches(_ubatch_backward, jobs)
+        own_grads: list[torch.Tensor | None] = []
+        shared_grads: list[torch.Tensor | None] = [None] * len(plan.shared)
+        for ubatch_id, ubatch_grads in enumerate(results):
+            num_own = len(plan.own[ubatch_id])
+            own_grads.extend(ubatch_grads[:num_own])
+            for k, grad in zip(plan.shared_at[ubatch_id], ubatch_grads[num_own:]):
+                if grad is not None:
+                    total = shared_grads[k]
+                    shared_grads[k] = grad if total is None else total + grad
+        return (None, *own_grads, *shared_grads)
+
+
+def _ubatch_backward(
+    roots: list[tuple[torch.Tensor, torch.Tensor]], wrt: list[torch.Tensor], keep_graph: bool
+) -> Sequence[torch.Tensor | None]:
+    """One ubatch's gradients of `wrt`, in this thread (its ubatch thread)."""
+    if not roots or not wrt:
+        return [None] * len(wrt)
+    outputs, grads = zip(*roots)
+    with torch.autograd.set_multithreading_enabled(False):
+        return torch.autograd.grad(
+            outputs, wrt, grads, retain_graph=keep_graph, allow_unused=True
+        )
+
+
+def _keep_graph() -> bool:
+    """Whether the running backward keeps the graph (`retain_graph=True`); True where
+    this torch cannot say (the ubatches' graphs then live as long as the outputs)."""
+    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if ask is None else bool(ask())
