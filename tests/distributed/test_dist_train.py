@@ -1,0 +1,157 @@
+"""Training under DBO across gloo ranks: the overlapped backward gives the gradients of
+the same ubatches in turn bit for bit (inputs and parameters), on the README's MoE
+layer, the demo model, the tensor-parallel MLP and a Hugging Face MoE model through
+`comm.moe.shard_experts`; a failure in one rank's backward reaches every rank."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _spawn import expect_ok, run_world, start_together
+
+import comm
+import dbo
+
+pytestmark = pytest.mark.distributed
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+
+class ReadmeMoELayer(torch.nn.Module):
+    """The README's MoE layer ("Making your own model DBO-ready"), as it is printed there."""
+
+    def __init__(self, hidden: int, num_experts: int, topk: int = 2) -> None:
+        super().__init__()
+        self.num_experts, self.topk = num_experts, topk
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.router = torch.nn.Linear(hidden, num_experts)
+        local = num_experts // torch.distributed.get_world_size()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(x)
+        weights, ids = self.router(x).softmax(-1).topk(self.topk)
+        recv, local_ids, handle = comm.moe.dispatch(x, ids, self.num_experts)
+        out = torch.empty_like(recv)
+        for e, expert in enumerate(self.experts):
+            out[local_ids == e] = expert(recv[local_ids == e])
+        return x + comm.moe.combine(out, handle, weights)
+
+
+def _models(world_size: int) -> dict[str, tuple[torch.nn.Module, Callable[[int], Any]]]:
+    """name -> (model, inputs(rank)), each small; the same weights on every rank."""
+    from hf_moe import build_model
+    from moe_overlap import MoEModel
+    from tensor_parallel_mlp import ParallelMLP
+
+    def features(rank: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(100 + rank)
+        return torch.randn(48, 32, generator=generator, requires_grad=True)
+
+    def same_features(rank: int) -> torch.Tensor:  # tensor parallel: every rank's tokens
+        return features(0)
+
+    def token_ids(rank: int) -> torch.Tensor:
+        return torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(rank))
+
+    torch.manual_seed(0)
+    readme = torch.nn.Sequential(*[ReadmeMoELayer(32, num_experts=2 * world_size)
+                                   for _ in range(2)])
+    hf = build_model("qwen3_moe", 2, 32, 2 * world_size, 2, 64)
+    comm.moe.shard_experts(hf)
+    return {
+        "readme_moe": (readme, features),
+        "demo_moe": (MoEModel(2, 32, 64, 2, 2), features),
+        "tensor_parallel_mlp": (
+            torch.nn.Sequential(*[ParallelMLP(32, 64, seed) for seed in range(2)]),
+            same_features,
+        ),
+        "hf_qwen3_moe": (hf, token_ids),
+    }
+
+
+def _loss(output: Any) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output
+    return (logits.float() ** 2).mean()
+
+
+def _gradients(
+    model: torch.nn.Module, inputs: torch.Tensor, step: Callable[[torch.Tensor], Any]
+) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    inputs.grad = None
+    _loss(step(inputs)).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return ([inputs.grad.clone()] if inputs.requires_grad else []) + grads
+
+
+def _check_every_model_trains_bitwise() -> dict[str, bool]:
+    start_together()
+    rank, world_size, _ = comm.init_distributed(timeout_s=60)
+    equal = {}
+    for name, (model, make_inputs) in _models(world_size).items():
+        inputs = make_inputs(rank)
+        model.train()
+
+        def in_turn(x: torch.Tensor, model: torch.nn.Module = model) -> Any:
+            return dbo.default_merge([model(part) for part in x.tensor_split(2)])
+
+        want = _gradients(model, inputs, in_turn)
+        got = _gradients(model, inputs, dbo.overlap(model, timeout_s=60))
+        again = _gradients(model, inputs, dbo.overlap(model, timeout_s=60))
+        equal[name] = (
+            len(got) == len(want) == len(again) > 1
+            and all(torch.equal(a, b) for a, b in zip(got, want))
+            and all(torch.equal(a, b) for a, b in zip(again, want))
+        )
+    return equal
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradients_under_dbo_equal_the_same_ubatches_in_turn_bitwise(world_size: int) -> None:
+    results = expect_ok(
+        run_world(_check_every_model_trains_bitwise, world_size, timeout_s=240)
+    )
+    for rank, equal in enumerate(results):
+        assert equal and all(equal.values()), f"rank {rank}: {equal}"
+
+
+def _fail_in_one_ranks_backward(failing_rank: int) -> str:
+    """Rank `failing_rank` raises first thing in ubatch 1's backward, before its exchanges: its
+    peer waits there until the group's timeout, then raises too."""
+    start_together()
+    rank, world_size, _ = comm.init_distributed(timeout_s=10)
+    model = ReadmeMoELayer(16, num_experts=2 * world_size)
+
+    class Fail(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            if rank == failing_rank and dbo.current_ubatch_id() == 1:
+                raise KeyError("injected in the backward")
+            return grad
+
+    step = dbo.overlap(lambda x: Fail.apply(model(x)), timeout_s=60)
+    x = torch.randn(32, 16, requires_grad=True)
+    try:
+        _loss(step(x)).backward()
+    except Exception as error:  # noqa: BLE001 - the test reports what each rank raised
+        return f"{type(error).__name__}: ubatch {getattr(error, 'ubatch_id', None)}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_in_one_ranks_backward_raises_on_every_rank() -> None:
+    results = expect_ok(run_world(_fail_in_one_ranks_backward, 2, args=(0,), timeout_s=90))
+    assert results[0] == "KeyError: ubatch 1", results
+    assert results[1] != "no error", results
