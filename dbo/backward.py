@@ -33,8 +33,11 @@ RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
 """`run_ubatches(fn, [(args_i, kwargs_i), ...]) -> [fn(*args_i, **kwargs_i), ...]`, each in
 its ubatch thread, or in turn in this thread (inside a ubatch, where nothing nests)."""
 
-_AccumulateGrad = type(torch.empty(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
+_leaf_user = torch.empty(1, requires_grad=True).expand(1).grad_fn
+assert _leaf_user is not None, "an op on a leaf that requires grad records a node"
+_AccumulateGrad = type(_leaf_user.next_functions[0][0])
 """The autograd node of a leaf (its `variable`)."""
+del _leaf_user
 
 
 def own_leaves(
@@ -142,7 +145,7 @@ def _graph_leaves(
             if node is None:
                 continue
             if type(node) is _AccumulateGrad:
-                leaf(node.variable)
+                leaf(node.variable)  # type: ignore[attr-defined]
                 continue
             walked_by = seen.get(node)
             if walked_by is None:

@@ -17,9 +17,9 @@ import torch
 
 from dbo import _affinity, _context, _thread_settings, tracing
 from dbo import runner as runner_module
-from dbo.backward import attach, own_leaves
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
+from dbo.backward import attach, own_leaves
 from dbo.runner import RunnerState, UBatchRunner, check_timeout
 from dbo.split import (
     UBatchInputs,

@@ -124,7 +124,9 @@ def rank_main(args: argparse.Namespace) -> None:
         raise SystemExit("training with DBO diverged from the same ubatches in turn")
 
 
-def _blocked_backward_ms(trainer: _Trainer, args: argparse.Namespace, device: torch.device) -> float:
+def _blocked_backward_ms(
+    trainer: _Trainer, args: argparse.Namespace, device: torch.device
+) -> float:
     """Host time per step blocked in collective waits during the backward (traced alone)."""
     blocked_s = 0.0
 

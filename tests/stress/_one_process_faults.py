@@ -4,9 +4,10 @@
 
 Each case injects one fault into an overlapped call: an exception after k yields of
 ubatch u (k = 0: before its first yield; k = its yield count: after its last; the
-ubatches yield unequal numbers of times), inside a recv hook (run by the next ubatch,
-or pending until the overlap returns), in `split`, in `merge`, a KeyboardInterrupt
-raised by a ubatch, and a real SIGINT while the caller waits. `check(case)` asserts:
+ubatches yield unequal numbers of times), the same in a ubatch's backward (the caller
+of `backward()` gets it), inside a recv hook (run by the next ubatch, or pending until
+the overlap returns), in `split`, in `merge`, a KeyboardInterrupt raised by a ubatch,
+and a real SIGINT while the caller waits. `check(case)` asserts:
 the caller gets the injected exception (the ubatch's id attached) within `MAX_DELAY_S`
 of the fault; no worker thread is left inside a job; the threads are the baseline plus
 the pooled runners' workers; and the next call gives the right result.
@@ -39,15 +40,18 @@ class Injected(Exception):
 
 @dataclass(frozen=True)
 class Case:
-    kind: str  # "yield", "recv_hook", "pending_hook", "split", "merge", "ubatch_kbd", "sigint"
+    kind: str  # "yield", "backward", "recv_hook", "pending_hook", "split", "merge",
+    # "ubatch_kbd", "sigint"
     num_ubatches: int = 2
     ubatch: int = 0
     after_yields: int = 0
 
     @property
     def id(self) -> str:
-        if self.kind == "yield":
-            return f"ubatch{self.ubatch}of{self.num_ubatches}-after{self.after_yields}yields"
+        if self.kind in ("yield", "backward"):
+            where = "backward-" if self.kind == "backward" else ""
+            return (f"{where}ubatch{self.ubatch}of{self.num_ubatches}-after{self.after_yields}"
+                    "yields")
         return f"{self.kind}-ubatch{self.ubatch}of{self.num_ubatches}"
 
 
@@ -59,6 +63,9 @@ def table() -> list[Case]:
     cases = [
         Case("yield", num, ubatch, k)
         for num in (2, 3) for ubatch in range(num) for k in range(num_yields(ubatch) + 1)
+    ]
+    cases += [
+        Case("backward", 2, ubatch, k) for ubatch in range(2) for k in range(num_yields(ubatch) + 1)
     ]
     cases += [Case("recv_hook", 2, u) for u in (0, 1)] + [Case("pending_hook", 2, 1)]
     cases += [Case("split"), Case("merge"), Case("ubatch_kbd", 2, 1), Case("sigint", 2, 0)]
@@ -89,9 +96,28 @@ def _fn(case: Case, fault_at: list[float]) -> Any:
             if k < yields:
                 dbo.yield_()
                 dbo.maybe_run_recv_hook()
-        return x * 2
+        return _BackwardFault.apply(x * 2, case, fault) if case.kind == "backward" else x * 2
 
     return fn
+
+
+class _BackwardFault(torch.autograd.Function):
+    """Identity whose backward yields as the forward does and raises where `case` says."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, case: Case, fault: Any) -> torch.Tensor:
+        ctx.case, ctx.fault = case, fault
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        me = dbo.current_ubatch_id()
+        for k in range(num_yields(me) + 1):
+            if me == ctx.case.ubatch and k == ctx.case.after_yields:
+                ctx.fault(Injected(f"ubatch {me} after {k} yields of its backward"))
+            if k < num_yields(me):
+                dbo.yield_()
+        return grad, None, None
 
 
 def _sigint_soon(fault_at: list[float]) -> threading.Timer:
@@ -159,16 +185,19 @@ def check(case: Case, baseline: set[threading.Thread]) -> None:
         split=_split(case, fault_at), merge=_merge(case, fault_at),
     )
     x = torch.arange(4.0 * case.num_ubatches).reshape(2 * case.num_ubatches, 2)
+    x.requires_grad_(case.kind == "backward")
     expected_type = KeyboardInterrupt if case.kind in ("ubatch_kbd", "sigint") else Injected
     previous_handler = signal.getsignal(signal.SIGINT)
     timer = _sigint_soon(fault_at) if case.kind == "sigint" else None
     try:
-        step(x)
+        y = step(x)
+        if case.kind == "backward":
+            y.sum().backward()
     except expected_type as error:
         caught_at = time.perf_counter()
-        if case.kind in ("yield", "ubatch_kbd"):
+        if case.kind in ("yield", "backward", "ubatch_kbd"):
             assert getattr(error, "ubatch_id", None) == case.ubatch, (case, error)
-        if case.kind == "yield":
+        if case.kind in ("yield", "backward"):
             assert f"after {case.after_yields} yields" in str(error), (case, error)
     else:
         raise AssertionError(f"{case.id}: no {expected_type.__name__}")
@@ -191,7 +220,12 @@ def check(case: Case, baseline: set[threading.Thread]) -> None:
     fault_at.clear()
     clean = dbo.overlap(_fn(Case("none", case.num_ubatches, -1), fault_at),
                         num_ubatches=case.num_ubatches, timeout_s=10.0)
-    assert torch.equal(clean(x), x * 2), case
+    x.grad = None
+    y = clean(x)
+    assert torch.equal(y, x * 2), case
+    if x.requires_grad:
+        y.sum().backward()
+        assert x.grad is not None and torch.equal(x.grad, torch.full_like(x, 2.0)), case
 
 
 def main() -> None:
