@@ -281,6 +281,20 @@ def _generate_graph(result: Result) -> tuple[list[Row], list[str]]:
              f"{result['tokens_equal']}")], problems
 
 
+def _train(result: Result) -> tuple[list[Row], list[str]]:
+    problems = []
+    if (result["backend"], result["device"]) != ("nccl", "cuda"):
+        problems.append(f"ran on {result['backend']}/{result['device']}, not nccl/cuda")
+    if not (result["losses_equal"] and result["weights_equal"]):
+        problems.append("training with DBO diverged from the same ubatches in turn")
+    return [("the MoE training example on NCCL (one rank): DBO over the same ubatches in "
+             "turn, forward / backward / whole step",
+             f"{result['forward_speedup_vs_split']:.2f}x / "
+             f"{result['backward_speedup_vs_split']:.2f}x / {result['step_speedup_vs_split']:.2f}x",
+             f"median ms per step; losses and weights equal bit for bit: "
+             f"{result['losses_equal'] and result['weights_equal']}")], problems
+
+
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
 STEPS = (
     Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
@@ -288,7 +302,7 @@ STEPS = (
          _nccl, world_of_one=True),
     Step("pytest", "the gpu-marked tests",
          ("-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider",
-          "--junitxml", "{out}/pytest.xml", "tests"), 150, _pytest, read_junit),
+          "--junitxml", "{out}/pytest.xml", "tests"), 140, _pytest, read_junit),
     Step("sync-debug", "no host sync in the fixed-shape MoE path under DBO",
          ("benchmarks/moe_sync_debug.py", "--json"), 35, _sync_debug, world_of_one=True),
     Step("moe-dynamic", "the MoE example on NCCL, dynamic path",
@@ -296,14 +310,17 @@ STEPS = (
     Step("moe-fixed", "the MoE example on NCCL, fixed-shape path",
          (*_EXAMPLE, "--fixed-capacity", "256", "--out", "{out}/moe-fixed"), 32,
          _moe("fixed-shape"), world_of_one=True),
+    Step("train", "the MoE training example on NCCL: forward and backward overlapped",
+         ("examples/train_moe.py", "--steps", "8", "--tokens", "1024", "--json",
+          "--out", "{out}/train"), 30, _train, world_of_one=True),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
-         ("benchmarks/graph_replay.py", "--json"), 33, _graph),
+         ("benchmarks/graph_replay.py", "--json"), 30, _graph),
     Step("generate-graph", "a captured decode step of a HF MoE model vs eager DBO generation",
          ("benchmarks/generate_graph.py", "--json"), 30, _generate_graph, world_of_one=True),
     Step("overlap", "communication hidden behind bf16 GEMMs",
          ("benchmarks/overlap_efficiency.py", "--device", "cuda", "--layers", "32",
           "--rounds", "7", "--configs", "0.1:0.1:2,0.2:0.2:2,0.5:0.5:2,1:1:2,2:2:2", "--json"),
-         45, _overlap),
+         40, _overlap),
     Step("workspace", "workspace views vs torch.empty",
          ("benchmarks/workspace_alloc.py", "--rounds", "5", "--calls", "1000", "--json"), 20,
          _workspace),
