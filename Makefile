@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dbo-installed
 
-.PHONY: demo demo-hf demo-generate demo-workspace test lint typecheck pytest bench clean
+.PHONY: demo demo-hf demo-generate demo-train demo-workspace test lint typecheck pytest bench clean
 
 # Each install step prints one line; pip's own output is shown only when a step fails.
 QUIET_PIP = $(BIN)/python -m pip install --disable-pip-version-check -q
@@ -46,6 +46,9 @@ demo-hf: $(STAMP)
 
 demo-generate: $(STAMP)
 	$(BIN)/python examples/generate.py --spawn 2
+
+demo-train: $(STAMP)
+	$(BIN)/python examples/train_moe.py --spawn 2
 
 demo-workspace: $(STAMP)
 	$(BIN)/python examples/workspace_demo.py

@@ -182,6 +182,19 @@ def _generate_rows(result: dict[str, Any]) -> list[Row]:
     )]
 
 
+def _train_rows(result: dict[str, Any]) -> list[Row]:
+    blocked = result["blocked_backward_split_ms"] / max(result["blocked_backward_dbo_ms"], 1e-9)
+    equal = result["losses_equal"] and result["weights_equal"]
+    return [(
+        "`train_moe.py`, SGD steps: DBO vs the same ubatches in turn, forward / backward / "
+        "whole step; blocked time in backward, in turn over DBO",
+        f"{result['forward_speedup_vs_split']:.2f}x / {result['backward_speedup_vs_split']:.2f}x"
+        f" / {result['step_speedup_vs_split']:.2f}x; {blocked:.1f}x",
+        f"losses and weights equal bit for bit: {equal}; goals >= 1.8x for the backward and "
+        "the step",
+    )]
+
+
 _OVERLAP_CONFIGS = ",".join(
     f"{size:g}:{size:g}:{u}" for u in OVERLAP_UBATCHES for size in OVERLAP_SIZES_MS
 )
@@ -204,6 +217,8 @@ ITEMS = (
     _example("hf", "examples/hf_moe.py", "5"),
     Item("generate", "examples/generate.py", ("--spawn", "2"),
          ("--spawn", "2", "--repeats", "2", "--new-tokens", "8"), _generate_rows),
+    Item("train", "examples/train_moe.py", ("--spawn", "2"), ("--spawn", "2", "--steps", "4"),
+         _train_rows),
 )
 """The items in the order they run."""
 
