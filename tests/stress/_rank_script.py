@@ -63,20 +63,45 @@ def _inject(fault: str) -> None:
         time.sleep(3600)
 
 
-def _faulty_forward(fault: str | None) -> Any:
+def _maybe_inject(layer: int, fault: str | None) -> None:
+    """On the faulty rank, in ubatch 1 at layer 2, the fault (its peers, for sigint, late)."""
+    if layer == 2 and dbo.current_ubatch_id() == 1 and fault is not None:
+        if SPEC["faulty_rank"] == RANK:
+            _inject(fault)
+        elif fault == "sigint":
+            time.sleep(SPEC["peers_late_s"])  # the faulty rank waits for us
+
+
+class _Exchange(torch.autograd.Function):
+    """An all-to-all of equal parts whose backward is one too; `fault`: inject it in the
+    backward, before the backward's all-to-all of `layer`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: int, fault: str | None) -> torch.Tensor:
+        ctx.layer, ctx.fault = layer, fault
+        out = torch.empty_like(x)
+        comm.all_to_all_single(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        _maybe_inject(ctx.layer, ctx.fault)
+        out = torch.empty_like(grad)
+        comm.all_to_all_single(out, grad.contiguous())
+        return out, None, None
+
+
+def _faulty_forward(fault: str | None, phase: str) -> Any:
+    """Six layers of compute and an all-to-all; the fault before layer 2's all-to-all of
+    the forward or (phase "backward") of the backward."""
     weight = torch.eye(8) * 0.5
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         for layer in range(6):
             x = torch.tanh(x @ weight)
-            if layer == 2 and dbo.current_ubatch_id() == 1 and fault is not None:
-                if SPEC["faulty_rank"] == RANK:
-                    _inject(fault)
-                elif fault == "sigint":
-                    time.sleep(SPEC["peers_late_s"])  # the faulty rank waits for us
-            out = torch.empty_like(x)
-            comm.all_to_all_single(out, x)
-            x = out
+            if phase == "forward":
+                _maybe_inject(layer, fault)
+            x = _Exchange.apply(x, layer, fault if phase == "backward" else None)
         return x
 
     return dbo.overlap(forward, timeout_s=SPEC["timeout_s"])
@@ -86,13 +111,18 @@ def fault_main() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
     start_together(timeout_s=120.0)
     comm.init_distributed(timeout_s=SPEC["group_timeout_s"])
-    x = torch.randn(4 * WORLD, 8)
-    _faulty_forward(None)(x)  # every connection is up
+    phase = SPEC.get("phase", "forward")
+    x = torch.randn(4 * WORLD, 8, requires_grad=phase == "backward")
+    warm = _faulty_forward(None, phase)(x)  # every connection is up
+    if phase == "backward":
+        warm.sum().backward()
     dist.barrier()
-    step = _faulty_forward(SPEC["fault"])
+    step = _faulty_forward(SPEC["fault"], phase)
     record("start")
     try:
-        step(x)
+        y = step(x)
+        if phase == "backward":
+            y.sum().backward()
     except BaseException as error:
         record("raised", error=type(error).__name__, message=str(error)[:4000])
         raise

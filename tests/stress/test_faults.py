@@ -1,11 +1,12 @@
 """Fault injection: one process (the `_one_process_faults` table), and 2 or 4 gloo ranks
 started as scripts, one of which raises, calls `os._exit`, is SIGKILLed, stalls forever
 inside a ubatch (the watchdog fires on every rank) or gets SIGINT while blocked in a
-collective (its peers are late). Every surviving rank raises within its watchdog's
-`timeout_s` + 2 s of the fault, and every process that raised ends by itself within 5 s,
-with its own status (1 for an uncaught error, death by SIGINT after Ctrl-C, never
-SIGABRT), and leaves no process behind. A stuck ubatch or collective ends the process
-after `dbo.runner.EXIT_WAIT_S`, unfinalized, saying so on stderr.
+collective (its peers are late), in the forward or in a ubatch's backward. Every
+surviving rank raises within its watchdog's `timeout_s` + 2 s of the fault, and every
+process that raised ends by itself within 5 s, with its own status (1 for an uncaught
+error, death by SIGINT after Ctrl-C, never SIGABRT), and leaves no process behind. A
+stuck ubatch or collective ends the process after `dbo.runner.EXIT_WAIT_S`, unfinalized,
+saying so on stderr.
 
 The measured times are printed (`pytest -s`): they are the README's failure figures.
 """
@@ -130,22 +131,27 @@ def test_a_ubatch_stuck_at_exit_ends_the_process_unfinalized_with_its_status(
 # ------------------------------------------------------------------------ several ranks
 FAULTS = ("raise", "exit", "sigkill", "stall", "sigint")
 FAULTY_RANK = 1
-_CASES: list[Any] = [pytest.param(2, fault, id=f"2ranks-{fault}") for fault in FAULTS]
+_CASES: list[Any] = [pytest.param(2, fault, "forward", id=f"2ranks-{fault}") for fault in FAULTS]
 _CASES += [  # 4 ranks: two faults in the bounded run, all under DBO_STRESS=long
-    pytest.param(4, fault, id=f"4ranks-{fault}", marks=() if fault in ("stall", "sigkill")
-                 else pytest.mark.skipif(not LONG, reason="DBO_STRESS=long"))
+    pytest.param(4, fault, "forward", id=f"4ranks-{fault}", marks=() if fault in (
+        "stall", "sigkill") else pytest.mark.skipif(not LONG, reason="DBO_STRESS=long"))
+    for fault in FAULTS
+]
+_CASES += [  # in the backward (each ubatch's runs in its ubatch thread): two faults bounded
+    pytest.param(2, fault, "backward", id=f"2ranks-backward-{fault}", marks=() if fault in (
+        "raise", "stall") else pytest.mark.skipif(not LONG, reason="DBO_STRESS=long"))
     for fault in FAULTS
 ]
 
 
-def _spec(fault: str, destroy: bool) -> dict[str, Any]:
+def _spec(fault: str, destroy: bool, phase: str = "forward") -> dict[str, Any]:
     # stall: a short watchdog (it is what fires); sigint: the peers are late by more than
     # the interrupted rank's abort grace plus exit wait, so its exit wait gives up.
     timeout_s = 2.0 if fault == "stall" else 5.0
     return dict(
         fault=fault, faulty_rank=FAULTY_RANK, timeout_s=timeout_s, group_timeout_s=30.0,
         sigint_after_s=0.3, peers_late_s=0.3 + 0.5 + dbo.runner.EXIT_WAIT_S + 2.0,
-        destroy=destroy,
+        destroy=destroy, phase=phase,
     )
 
 
@@ -197,14 +203,14 @@ def _check_world(fault: str, spec: dict[str, Any], ranks: list[RankRun]) -> list
 @pytest.mark.stress
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("world_size", "fault"), _CASES)
+@pytest.mark.parametrize(("world_size", "fault", "phase"), _CASES)
 def test_after_a_fault_every_rank_raises_and_exits_by_itself(
-    world_size: int, fault: str, tmp_path: Path
+    world_size: int, fault: str, phase: str, tmp_path: Path
 ) -> None:
-    spec = _spec(fault, destroy=False)
+    spec = _spec(fault, destroy=False, phase=phase)
     ranks = run_ranks("fault", world_size, spec, tmp_path, limit_s=90)
     figures = _check_world(fault, spec, ranks)
-    print(f"\n[{world_size} ranks, {fault}] " + "; ".join(figures))
+    print(f"\n[{world_size} ranks, {fault} in the {phase}] " + "; ".join(figures))
 
 
 @pytest.mark.stress
