@@ -1,7 +1,9 @@
 """Training under DBO across gloo ranks: the overlapped backward gives the gradients of
 the same ubatches in turn bit for bit (inputs and parameters), on the README's MoE
-layer, the demo model, the tensor-parallel MLP and a Hugging Face MoE model through
-`comm.moe.shard_experts`; a failure in one rank's backward reaches every rank."""
+layer, the demo model (both MoE paths), the tensor-parallel MLP, a Megatron-style one
+whose backward all-reduces with `comm` (the waits are in the ubatch threads) and a
+Hugging Face MoE model through `comm.moe.shard_experts`; a failure in one rank's
+backward reaches every rank."""
 
 from __future__ import annotations
 
@@ -44,6 +46,54 @@ class ReadmeMoELayer(torch.nn.Module):
         return x + comm.moe.combine(out, handle, weights)
 
 
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity; the backward sums the gradient over the ranks (`comm.all_reduce`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        comm.all_reduce(total)  # inside a ubatch's backward: yields while in flight
+        return total
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    """The sum over the ranks (`comm.all_reduce`); the backward is the identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        total = x.clone()
+        comm.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class MegatronMLP(torch.nn.Module):
+    """x + gelu(x @ W_in) @ W_out, column- then row-parallel, with conjugate all-reduces
+    in forward and backward (Megatron's f and g)."""
+
+    def __init__(self, hidden: int, ffn: int, seed: int) -> None:
+        super().__init__()
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        generator = torch.Generator().manual_seed(seed)
+        w_in = torch.randn(hidden, ffn, generator=generator) / hidden**0.5
+        w_out = torch.randn(ffn, hidden, generator=generator) / ffn**0.5
+        shard = slice(rank * ffn // world_size, (rank + 1) * ffn // world_size)
+        self.w_in = torch.nn.Parameter(w_in[:, shard].contiguous())
+        self.w_out = torch.nn.Parameter(w_out[shard].contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _CopyToTensorParallel.apply(x)
+        partial = torch.nn.functional.gelu(h @ self.w_in) @ self.w_out
+        return x + _SumOverTensorParallel.apply(partial)
+
+
 def _models(world_size: int) -> dict[str, tuple[torch.nn.Module, Callable[[int], Any]]]:
     """name -> (model, inputs(rank)), each small; the same weights on every rank."""
     from hf_moe import build_model
@@ -68,8 +118,13 @@ def _models(world_size: int) -> dict[str, tuple[torch.nn.Module, Callable[[int],
     return {
         "readme_moe": (readme, features),
         "demo_moe": (MoEModel(2, 32, 64, 2, 2), features),
+        "demo_moe_fixed_shape": (MoEModel(2, 32, 64, 2, 2, capacity=24), features),
         "tensor_parallel_mlp": (
             torch.nn.Sequential(*[ParallelMLP(32, 64, seed) for seed in range(2)]),
+            same_features,
+        ),
+        "megatron_mlp": (
+            torch.nn.Sequential(*[MegatronMLP(32, 64, seed) for seed in range(2)]),
             same_features,
         ),
         "hf_qwen3_moe": (hf, token_ids),
@@ -91,10 +146,10 @@ def _gradients(
     return ([inputs.grad.clone()] if inputs.requires_grad else []) + grads
 
 
-def _check_every_model_trains_bitwise() -> dict[str, bool]:
+def _check_every_model_trains_bitwise() -> dict[str, Any]:
     start_together()
     rank, world_size, _ = comm.init_distributed(timeout_s=60)
-    equal = {}
+    equal: dict[str, Any] = {}
     for name, (model, make_inputs) in _models(world_size).items():
         inputs = make_inputs(rank)
         model.train()
@@ -110,6 +165,13 @@ def _check_every_model_trains_bitwise() -> dict[str, bool]:
             and all(torch.equal(a, b) for a, b in zip(got, want))
             and all(torch.equal(a, b) for a, b in zip(again, want))
         )
+        if name == "megatron_mlp":  # where the backward's all-reduces waited
+            loss = _loss(dbo.overlap(model, timeout_s=60)(inputs))
+            with dbo.trace() as timeline:
+                loss.backward()
+            equal["backward waits per ubatch"] = {
+                ubatch: total.waits for ubatch, total in timeline.totals().items()
+            }
     return equal
 
 
@@ -120,7 +182,11 @@ def test_gradients_under_dbo_equal_the_same_ubatches_in_turn_bitwise(world_size:
         run_world(_check_every_model_trains_bitwise, world_size, timeout_s=240)
     )
     for rank, equal in enumerate(results):
+        waits = equal.pop("backward waits per ubatch")
         assert equal and all(equal.values()), f"rank {rank}: {equal}"
+        # Each ubatch waited for its own two backward all-reduces; the caller for none.
+        assert waits.get(0, 0) >= 2 and waits.get(1, 0) >= 2, waits
+        assert waits.get(dbo.tracing.CALLER, 0) == 0, waits
 
 
 def _fail_in_one_ranks_backward(failing_rank: int) -> str:
