@@ -314,12 +314,17 @@ def _report(
         f"{summary['speedup']:.2f}x over the whole batch"
     )
     print("  " + _interpretation(summary))
+    print_files(files, plot_error)
+    if args.json:
+        print(json.dumps(summary))
+
+
+def print_files(files: list[str], plot_error: str) -> None:
+    """Name the traces and PNG timelines written (or why no PNG was drawn)."""
     traces = [path for path in files if path.endswith(".json")]
     pictures = [path for path in files if path.endswith(".png")]
     print(f"  traces (ui.perfetto.dev or chrome://tracing): {', '.join(traces)}")
     print(f"  timelines (PNG): {', '.join(pictures) or 'not drawn: ' + plot_error}")
-    if args.json:
-        print(json.dumps(summary))
 
 
 _RESULT_KEYS = {  # the --json keys that are results, not facts of the run

@@ -150,8 +150,9 @@ def rank_main(args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model's flags (the demo model by default): --layers, --tokens, --hidden, --ffn,
+    --experts-per-rank, --topk."""
     parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     parser.add_argument(
         "--tokens", type=int, default=1024, help="tokens per rank per step (default 1024)"
@@ -162,6 +163,11 @@ def main() -> None:
         "--experts-per-rank", type=int, default=2, help="experts each rank holds (default 2)"
     )
     parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser)
     parser.add_argument(
         "--fixed-capacity", type=int, metavar="C", help="route through the fixed-shape path "
         "(comm.moe.dispatch_fixed) with C rows per rank and expert; C >= --tokens drops "

@@ -32,7 +32,7 @@ from typing import Any
 import _harness
 import torch
 import torch.distributed as dist
-from moe_overlap import MoEModel
+from moe_overlap import MoEModel, add_model_args
 
 import comm
 import dbo
@@ -232,26 +232,14 @@ def _report(
         f"{summary['backward_speedup_vs_split']:.2f}x, whole step "
         f"{summary['step_speedup_vs_split']:.2f}x"
     )
-    traces = [path for path in files if path.endswith(".json")]
-    pictures = [path for path in files if path.endswith(".png")]
-    print(f"  traces (ui.perfetto.dev or chrome://tracing): {', '.join(traces)}")
-    print(f"  timelines (PNG): {', '.join(pictures) or 'not drawn: ' + plot_error}")
+    _harness.print_files(files, plot_error)
     if args.json:
         print(json.dumps(summary))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
-    parser.add_argument(
-        "--tokens", type=int, default=1024, help="tokens per rank per step (default 1024)"
-    )
-    parser.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    parser.add_argument("--ffn", type=int, default=128, help="expert hidden width (default 128)")
-    parser.add_argument(
-        "--experts-per-rank", type=int, default=2, help="experts each rank holds (default 2)"
-    )
-    parser.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    add_model_args(parser)
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument(
         "--warmup", type=int, default=2, help="untimed steps first (default %(default)s)"
