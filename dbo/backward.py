@@ -49,6 +49,8 @@ def own_leaves(
     mine_parts: UBatchInputs = []
     mine: list[list[torch.Tensor]] = []
     replaced: list[list[torch.Tensor]] = []
+    if not any(_any_requires_grad(part) for part in parts):
+        return parts, [[] for _ in parts], [[] for _ in parts]
     for part in parts:
         leaves, spec = flatten(part)
         own: dict[int, torch.Tensor] = {}
@@ -63,6 +65,17 @@ def own_leaves(
         mine.append(list(own.values()))
         replaced.append(originals)
     return mine_parts, mine, replaced
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _any_requires_grad(part: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+    """Whether a tensor in `part` requires grad; no tree walk for flat tensor arguments."""
+    flat = (*part[0], *part[1].values())
+    if all(type(arg) is torch.Tensor or type(arg) in _SCALARS for arg in flat):
+        return any(type(arg) is torch.Tensor and arg.requires_grad for arg in flat)
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in flatten(part)[0])
 
 
 class _Plan:
@@ -88,7 +101,10 @@ def attach(
     the tensors they replaced. ValueError when two ubatches' graphs meet other than at
     leaves (a tensor that requires grad, computed before the call and used inside it)."""
     plan = _Plan(run_ubatches)
-    flat = [flatten(output) for output in outputs]
+    flat = [  # a plain tensor output (the usual case): no tree walk
+        ([output], None) if type(output) is torch.Tensor else flatten(output)
+        for output in outputs
+    ]
     for leaves, _ in flat:
         plan.outputs.append([
             leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad
@@ -115,7 +131,7 @@ def attach(
             next(aliases) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
             for leaf in leaves
         ]
-        merged.append(pytree.tree_unflatten(leaves, spec))
+        merged.append(leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec))
     return merged
 
 
