@@ -21,6 +21,7 @@ enabled, one ubatch), so model code written for DBO also runs without it.
 
 from dbo import hf
 from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
+from dbo._pool import close_default_runners
 from dbo.api import (
     at_ubatch_exit,
     backward_state,
@@ -41,7 +42,7 @@ from dbo.api import (
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError
 from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph, capturing
 from dbo.hooks import yield_between
-from dbo.overlap import close_default_runners, overlap
+from dbo.overlap import overlap
 from dbo.runner import RunnerState, UBatchRunner, wait_at_exit
 from dbo.split import default_merge, default_split, merge_parts
 from dbo.stateful import register_split_rule

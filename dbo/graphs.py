@@ -5,7 +5,6 @@ with one launch and no threads (a decode step's launches can take longer than it
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,9 +14,10 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
+from dbo._pool import runner_pool
 from dbo.api import run_state
 from dbo.device import CudaBackend
-from dbo.overlap import _runner_pool, overlap
+from dbo.overlap import Overlapped
 from dbo.runner import UBatchRunner
 from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
 
@@ -125,7 +125,7 @@ def capture_graph(
     device = _cuda_device(static_inputs)
     parts = _split(static_inputs, num_ubatches)
     capture = _Capture(device, pool)
-    with _runner_pool.lease(num_ubatches, None) as runner, capture.current_stream():
+    with runner_pool.lease(num_ubatches, None) as runner, capture.current_stream():
         outputs = _warm_up_and_capture(capture, runner, _marked(fn), parts, warmup)
     return OverlapGraph(capture.graph, static_inputs, outputs)
 
@@ -162,7 +162,7 @@ def _checked_arguments(fn: Any, num_ubatches: Any, warmup: Any, pool: Any) -> in
         )
     if current_context() is not None:
         raise RuntimeError("dbo.capture_graph was called inside an overlap; call it outside")
-    if getattr(fn, "__code__", None) is _overlap_wrapper_code():
+    if isinstance(fn, Overlapped):
         raise RuntimeError(
             "dbo.capture_graph got a dbo.overlap wrapper; pass the function it wraps "
             f"({getattr(fn, '__wrapped__', fn)!r}), which capture_graph splits, overlaps and "
@@ -209,12 +209,6 @@ def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return in_capture_graph
-
-
-@functools.cache
-def _overlap_wrapper_code() -> Any:
-    """The code object every `dbo.overlap` wrapper runs (a wrapper is recognized by it)."""
-    return overlap(lambda x: x).__code__
 
 
 def _cuda_device(static_inputs: tuple[Any, ...]) -> torch.device:

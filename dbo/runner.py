@@ -27,6 +27,7 @@ from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
 from dbo.device import DeviceBackend, StreamLease, backend_for, held_streams
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
+from dbo.split import describe_ubatch_input, is_ubatch_input
 
 _Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -79,22 +80,6 @@ def reset_after_fork() -> None:
     _left_running_lock = threading.Lock()
     _left_running.clear()
     held_streams.reset_after_fork()
-
-
-def is_ubatch_input(item: Any) -> bool:
-    """Whether `item` is one ubatch's `(args_tuple, kwargs_dict)` pair."""
-    return (
-        isinstance(item, tuple) and len(item) == 2
-        and isinstance(item[0], tuple) and isinstance(item[1], dict)
-    )
-
-
-def describe_ubatch_input(item: Any) -> str:
-    """What `item` is, for an error saying it is not an `(args_tuple, kwargs_dict)` pair:
-    the types inside a pair ("a pair of (list, dict)"), else the item's type."""
-    if isinstance(item, tuple) and len(item) == 2:
-        return f"a pair of ({type(item[0]).__name__}, {type(item[1]).__name__})"
-    return f"a {type(item).__name__}"
 
 
 def check_timeout(timeout_s: Any) -> float | None:

@@ -25,6 +25,22 @@ UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
 
 
+def is_ubatch_input(item: Any) -> bool:
+    """Whether `item` is one ubatch's `(args_tuple, kwargs_dict)` pair."""
+    return (
+        isinstance(item, tuple) and len(item) == 2
+        and isinstance(item[0], tuple) and isinstance(item[1], dict)
+    )
+
+
+def describe_ubatch_input(item: Any) -> str:
+    """What `item` is, for an error saying it is not an `(args_tuple, kwargs_dict)` pair:
+    the types inside a pair ("a pair of (list, dict)"), else the item's type."""
+    if isinstance(item, tuple) and len(item) == 2:
+        return f"a pair of ({type(item[0]).__name__}, {type(item[1]).__name__})"
+    return f"a {type(item).__name__}"
+
+
 def _is_leaf(node: Any) -> bool:
     """A shape (one value, not a container of ints) or an object with a split rule (split
     by its rule even if its type is a pytree node too)."""

@@ -15,7 +15,6 @@ the pooled runners' workers; and the next call gives the right result.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import sys
@@ -27,8 +26,6 @@ from typing import Any
 import torch
 
 import dbo
-
-_overlap_module = importlib.import_module("dbo.overlap")  # dbo.overlap is the function
 
 MAX_DELAY_S = 1.0
 """The longest the caller may take to raise after the fault."""
@@ -172,7 +169,7 @@ def workers_in_a_job() -> list[str]:
 
 def pooled_worker_threads() -> set[threading.Thread]:
     """The worker threads of the runners `dbo.overlap` keeps idle."""
-    pool = _overlap_module._runner_pool
+    pool = dbo._pool.runner_pool
     with pool._lock:
         return {thread for _, runner in pool._idle for thread in runner.threads}
 

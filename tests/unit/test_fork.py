@@ -22,7 +22,6 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not hasattr(os, "fork"), reason="needs os.fork"
 )
 
-_overlap_module = sys.modules["dbo.overlap"]  # `dbo.overlap` is the function
 
 
 def _wait_for(pid: int, timeout_s: float = 30.0) -> int | None:
@@ -114,7 +113,7 @@ def test_locks_held_at_the_fork_block_nothing_and_the_child_records_its_own_trac
     try:
         with dbo.trace() as parents:
             dbo.overlap(lambda t: t + 1)(x)
-            with parents._lock, _overlap_module._runner_pool._lock:  # "another thread"
+            with parents._lock, dbo._pool.runner_pool._lock:  # "another thread"
                 pid = os.fork()
             if pid == 0:
                 with dbo.trace() as own:

@@ -124,6 +124,21 @@ def test_module_and_decorator_forms() -> None:
     assert torch.equal(Layer().forward(torch.zeros(4)), torch.tensor([0.0, 0.0, 1.0, 1.0]))
 
 
+def test_the_wrapper_keeps_the_functions_signature_and_shows_its_options() -> None:
+    import inspect
+
+    def step(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        """Scale x."""
+        return x * scale
+
+    wrapped = dbo.overlap(step, num_ubatches=3, timeout_s=5)
+    assert inspect.signature(wrapped) == inspect.signature(step)
+    assert wrapped.__doc__ == "Scale x." and wrapped.__wrapped__ is step
+    options = wrapped.options  # type: ignore[attr-defined]
+    assert (options.num_ubatches, options.timeout_s, options.overlap_backward) == (3, 5.0, True)
+    assert "step" in repr(wrapped)
+
+
 # ---------------------------------------------------------------- 3. registration
 def test_ubatch_id_registration_lasts_exactly_the_run() -> None:
     seen: dict[int, tuple[int, bool, int, int]] = {}

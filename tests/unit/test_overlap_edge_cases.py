@@ -192,11 +192,10 @@ def test_ubatch_threads_of_a_pinned_caller_never_serve_an_unpinned_one() -> None
 def test_idle_runners_are_bounded_and_the_least_recently_used_go_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import sys
 
     from dbo import _affinity
 
-    pool = sys.modules["dbo.overlap"]._runner_pool
+    pool = dbo._pool.runner_pool
     dbo.close_default_runners()
     caller_cpus: list[frozenset[int]] = [frozenset({0})]
     monkeypatch.setattr(_affinity, "cpus_of_this_thread", lambda: caller_cpus[0])
@@ -519,7 +518,7 @@ def test_the_nccl_decision_uses_the_groups_own_gpu(monkeypatch: pytest.MonkeyPat
     `comm.init_distributed` binds it) says which one."""
     import torch.distributed as dist
 
-    from dbo.overlap import _smallest_batch_across_ranks
+    from dbo._decide import smallest_batch_across_ranks
 
     seen: list[torch.Tensor] = []
 
@@ -532,5 +531,5 @@ def test_the_nccl_decision_uses_the_groups_own_gpu(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked the thread"))
-    assert _smallest_batch_across_ranks(7, BoundGroup()) == 7
+    assert smallest_batch_across_ranks(7, BoundGroup()) == 7
     assert seen[0].device == torch.device("cpu")
