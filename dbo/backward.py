@@ -218,13 +218,16 @@ class _UBatchesBackward(torch.autograd.Function):
             position += len(outputs)
             wrt = [*plan.own[ubatch_id], *(plan.shared[k] for k in plan.shared_at[ubatch_id])]
             jobs.append(((roots, wrt, keep_graph), {}))
-        results = plan.run_ubatches(_ubatch_backward, jobs)
+        # Lists, emptied as they are summed: a shared leaf's gradients go once added, so
+        # at most two copies of the parameters' gradients live, not three.
+        results = [list(grads) for grads in plan.run_ubatches(_ubatch_backward, jobs)]
         own_grads: list[torch.Tensor | None] = []
         shared_grads: list[torch.Tensor | None] = [None] * len(plan.shared)
         for ubatch_id, ubatch_grads in enumerate(results):
             num_own = len(plan.own[ubatch_id])
             own_grads.extend(ubatch_grads[:num_own])
-            for k, grad in zip(plan.shared_at[ubatch_id], ubatch_grads[num_own:]):
+            for index, k in enumerate(plan.shared_at[ubatch_id], start=num_own):
+                grad, ubatch_grads[index] = ubatch_grads[index], None
                 if grad is not None:
                     total = shared_grads[k]
                     shared_grads[k] = grad if total is None else total + grad

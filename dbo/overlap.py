@@ -99,10 +99,12 @@ def overlap(
         overlap_backward: under grad mode, autograd runs each ubatch's backward in its
             ubatch thread, overlapped as the forward (`dbo.backward`): the gradients of the
             outputs reach the arguments and parameters as if the ubatches had run in turn
-            (with two ubatches, bitwise). The function must then take every tensor that
-            requires grad and is computed before the call as an argument (ValueError
-            otherwise), not modify its arguments in place, and return every tensor a loss
-            uses; the backward takes no `create_graph=True`. False: the backward runs whole
+            (with two ubatches bitwise, unless a parameter is used more than once per
+            ubatch, as tied weights are: autograd sums its uses in another order). The
+            function must then take every tensor that requires grad and is computed
+            before the call as an argument (ValueError otherwise), not modify its
+            arguments in place, and return every tensor a loss uses; the backward takes
+            no `create_graph=True`. False: the backward runs whole
             in the caller's thread, blocking at each exchange (use it for those cases). It
             does so anyway under saved-tensor hooks around the call (the call checkpointed
             with `torch.utils.checkpoint`, `save_on_cpu`).

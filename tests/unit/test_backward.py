@@ -353,3 +353,59 @@ def test_no_grad_mode_builds_no_backward() -> None:
 def test_overlap_backward_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="overlap_backward"):
         dbo.overlap(lambda x: x, overlap_backward="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_a_hugging_face_model_trains_as_in_turn(checkpointing: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).train()
+    if checkpointing:  # transformers' own: torch.utils.checkpoint around each layer
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(1))
+
+    def grads(step: Callable[..., Any]) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        (step(ids).logits.float() ** 2).mean().backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    def in_turn(ids: torch.Tensor) -> Any:
+        return dbo.default_merge([model(part) for part in ids.tensor_split(2)])
+
+    got = grads(dbo.overlap(model, timeout_s=30))
+    want = grads(in_turn)
+    assert len(got) == len(want) > 10 and _bitwise(got, want)
+
+
+def test_a_parameter_used_twice_per_ubatch_gets_close_gradients_the_same_every_run() -> None:
+    """Tied weights: autograd sums the four uses of one parameter in its own order over
+    both ubatches; the overlapped backward sums each ubatch's two first."""
+    model, x = _Model(), _x()
+
+    def tied(x: torch.Tensor) -> torch.Tensor:
+        h = model.block(x)
+        return model.block(torch.tanh(h))  # every parameter twice
+
+    first = _grads(model, x, dbo.overlap(tied, timeout_s=30))
+    assert _bitwise(first, _grads(model, x, dbo.overlap(tied, timeout_s=30)))
+    want = _grads(model, x, _in_turn(tied))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(first, want))
+
+
+def test_a_parameter_only_one_ubatch_uses_gets_that_ubatchs_gradient() -> None:
+    model, x = _Model(), _x()
+
+    def one_sided(x: torch.Tensor) -> torch.Tensor:
+        h = model.block(x)
+        return model.pre(h) if dbo.current_ubatch_id() == 1 or not dbo.enabled() else h
+
+    def in_turn(x: torch.Tensor) -> torch.Tensor:
+        first, second = x.tensor_split(2)
+        return torch.cat([model.block(first), model.pre(model.block(second))])
+
+    got = _grads(model, x, dbo.overlap(one_sided, timeout_s=30))
+    assert _bitwise(got, _grads(model, x, in_turn))
