@@ -14,6 +14,7 @@ baton between them so that one ubatch's communication overlaps another's compute
 
     y = dbo.overlap(forward)(x)     # bitwise equal to forward on the two halves in turn
                                     # (random ops draw in the ubatches' interleaved order)
+    loss_fn(y).backward()           # each ubatch's backward overlapped the same way
 
 Every call used inside `fn` is a cheap no-op outside an overlap (ubatch id 0, not
 enabled, one ubatch), so model code written for DBO also runs without it.
