@@ -15,8 +15,13 @@ with two ubatches the bits of autograd's own sum over the same ubatches in turn.
 Each ubatch's backward runs wholly in its thread (`set_multithreading_enabled(False)`:
 on CUDA autograd would otherwise run every ubatch's kernels on its one device thread),
 on the streams its forward ran on (autograd runs an op's backward on its forward's
-stream). Only what comes out of the call's outputs is overlapped: a gradient that
-reaches a ubatch's graph another way (a tensor kept aside in `fn`) raises.
+stream). Where the ubatches' graphs meet (a tensor made before the call and used in
+it, autocast's cached weight casts), each ubatch's backward runs the shared part with its
+own gradient: the same terms summed in another order (allclose to the ubatches in turn),
+and the graphs are kept until the last ubatch's backward has run. Only what comes out of
+the call's outputs is overlapped: a loss that reaches a ubatch's graph another way (a
+tensor kept aside in `fn`) runs that part in the caller's thread, and its gradient stops
+at the ubatch's own argument leaves (`overlap_backward=False` is for such functions).
 """
 
 from __future__ import annotations
@@ -89,6 +94,10 @@ class _Plan:
         self.own: list[list[torch.Tensor]] = []
         self.shared: list[torch.Tensor] = []
         self.shared_at: list[list[int]] = []
+        self.graphs_meet = False
+        """Whether two ubatches' graphs share an inner node (a tensor made before the
+        call and used in it, autocast's cached weight casts): each ubatch's backward
+        runs it, so every backward keeps the graph until the last has run."""
 
 
 def attach(
@@ -98,8 +107,7 @@ def attach(
     """The ubatches' outputs, each tensor that requires grad replaced by an alias whose
     gradient runs the ubatches' backward through `run_ubatches`; `outputs` as they are
     when none requires grad. `own[i]`: ubatch i's leaves from `own_leaves`, `replaced[i]`
-    the tensors they replaced. ValueError when two ubatches' graphs meet other than at
-    leaves (a tensor that requires grad, computed before the call and used inside it)."""
+    the tensors they replaced."""
     plan = _Plan(run_ubatches)
     flat = [  # a plain tensor output (the usual case): no tree walk
         ([output], None) if type(output) is torch.Tensor else flatten(output)
@@ -111,10 +119,11 @@ def attach(
         ])
     if not any(plan.outputs):
         return outputs
-    seen: dict[Any, int] = {}
+    walked: dict[Any, int] = {}
     index_of: dict[int, int] = {}
     for ubatch_id, ubatch_outputs in enumerate(plan.outputs):
-        reached = _graph_leaves(ubatch_outputs, own[ubatch_id], ubatch_id, seen)
+        reached, meets = _graph_leaves(ubatch_outputs, own[ubatch_id], ubatch_id, walked)
+        plan.graphs_meet = plan.graphs_meet or meets
         at = []
         for leaf in reached:
             if id(leaf) not in index_of:
@@ -136,47 +145,45 @@ def attach(
 
 
 def _graph_leaves(
-    outputs: list[torch.Tensor], own: list[torch.Tensor], ubatch_id: int, seen: dict[Any, int]
-) -> list[torch.Tensor]:
+    outputs: list[torch.Tensor], own: list[torch.Tensor], ubatch_id: int, walked: dict[Any, int]
+) -> tuple[list[torch.Tensor], bool]:
     """The leaves that require grad which ubatch `ubatch_id`'s graph reaches from
-    `outputs`, other than its `own`, in the order found; `seen` maps each inner node
-    walked so far to its ubatch (ValueError for one another ubatch walked)."""
+    `outputs`, other than its `own`, in the order found, and whether it meets another
+    ubatch's graph at an inner node (`walked`: each inner node's first walker)."""
     own_ids = {id(tensor) for tensor in own}
     found: list[torch.Tensor] = []
     found_ids: set[int] = set()
+    meets = False
 
     def leaf(tensor: torch.Tensor) -> None:
         if id(tensor) not in own_ids and id(tensor) not in found_ids:
             found_ids.add(id(tensor))
             found.append(tensor)
 
-    stack = []
+    def visit(node: Any) -> None:
+        nonlocal meets
+        if node in mine:
+            return
+        mine.add(node)
+        meets = meets or walked.setdefault(node, ubatch_id) != ubatch_id
+        stack.append(node)
+
+    mine: set[Any] = set()
+    stack: list[Any] = []
     for output in outputs:
         if output.grad_fn is None:
             leaf(output)  # a leaf returned as it is (a parameter)
-        elif seen.setdefault(output.grad_fn, ubatch_id) == ubatch_id:
-            stack.append(output.grad_fn)
+        else:
+            visit(output.grad_fn)
     while stack:
         for node, _ in stack.pop().next_functions:
             if node is None:
                 continue
             if type(node) is _AccumulateGrad:
-                leaf(node.variable)  # type: ignore[attr-defined]
-                continue
-            walked_by = seen.get(node)
-            if walked_by is None:
-                seen[node] = ubatch_id
-                stack.append(node)
-            elif walked_by != ubatch_id:
-                raise ValueError(
-                    f"dbo.overlap: the autograd graphs of ubatches {walked_by} and {ubatch_id} "
-                    f"meet at {node.name()}, which no argument of the call leads to: the "
-                    "function uses a tensor that requires grad and was computed before the "
-                    "call (a closure, a module attribute) instead of taking it as an "
-                    "argument. Pass it as an argument (no_split= passes it whole), or pass "
-                    "overlap_backward=False: then the backward runs in the caller's thread"
-                )
-    return found
+                leaf(node.variable)  # type: ignore[union-attr]
+            else:
+                visit(node)
+    return found, meets
 
 
 class _UBatchesBackward(torch.autograd.Function):
@@ -217,7 +224,7 @@ class _UBatchesBackward(torch.autograd.Function):
             ]
             position += len(outputs)
             wrt = [*plan.own[ubatch_id], *(plan.shared[k] for k in plan.shared_at[ubatch_id])]
-            jobs.append(((roots, wrt, keep_graph), {}))
+            jobs.append(((roots, wrt, keep_graph or plan.graphs_meet), {}))
         # Lists, emptied as they are summed: a shared leaf's gradients go once added, so
         # at most two copies of the parameters' gradients live, not three.
         results = [list(grads) for grads in plan.run_ubatches(_ubatch_backward, jobs)]

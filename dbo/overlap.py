@@ -99,15 +99,14 @@ def overlap(
         overlap_backward: under grad mode, autograd runs each ubatch's backward in its
             ubatch thread, overlapped as the forward (`dbo.backward`): the gradients of the
             outputs reach the arguments and parameters as if the ubatches had run in turn
-            (with two ubatches bitwise, unless a parameter is used more than once per
-            ubatch, as tied weights are: autograd sums its uses in another order). The
-            function must then take every tensor that requires grad and is computed
-            before the call as an argument (ValueError otherwise), not modify its
-            arguments in place, and return every tensor a loss uses; the backward takes
-            no `create_graph=True`. False: the backward runs whole
-            in the caller's thread, blocking at each exchange (use it for those cases). It
-            does so anyway under saved-tensor hooks around the call (the call checkpointed
-            with `torch.utils.checkpoint`, `save_on_cpu`).
+            (with two ubatches bitwise, unless autograd sums some terms in another order:
+            a parameter used more than once per ubatch, as tied weights are, autocast's
+            weight casts or a tensor `fn` closes over, shared by the ubatches: allclose).
+            The function must then not modify its arguments in place, and return every
+            tensor a loss uses; the backward takes no `create_graph=True`. False: the
+            backward runs whole in the caller's thread, blocking at each exchange (use it
+            for those cases). It does so anyway under saved-tensor hooks around the call
+            (the call checkpointed with `torch.utils.checkpoint`, `save_on_cpu`).
     """
     num_ubatches = check_num_ubatches(num_ubatches)
     timeout_s = check_timeout(timeout_s)
