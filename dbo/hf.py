@@ -31,8 +31,18 @@ from typing import Any
 
 import torch
 
+from dbo import stateful
 from dbo.overlap import overlap
 from dbo.split import UBatchInputs, default_split
+
+
+def _register_cache_rule() -> None:
+    from dbo import _hf_cache  # imports transformers: only once one of its caches exists
+
+    _hf_cache.register()
+
+
+stateful.defer_split_rule("transformers.cache_utils", "Cache", _register_cache_rule)
 
 DEFAULT_MIN_PREFILL_TOKENS = 512
 """Below this many tokens in a call (rows x prompt length), a prefill runs unsplit."""

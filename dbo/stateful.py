@@ -69,14 +69,25 @@ def rule_for(obj: Any) -> _Rule | None:
     return rule
 
 
-def _register_known_libraries(obj: Any) -> None:
-    """Register the rules for `transformers`' caches the first time one is met (never
-    importing `transformers` itself: an instance means it is imported)."""
-    cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is not None and isinstance(obj, cache_utils.Cache):
-        from dbo import _hf_cache
+_deferred: list[tuple[str, str, Callable[[], None]]] = []
+"""(module, class name, register) of rules registered the first time an instance of
+`module.class name` is met: the library's module is never imported for it (an instance
+means it is imported)."""
 
-        _hf_cache.register()
+
+def defer_split_rule(module: str, class_name: str, register: Callable[[], None]) -> None:
+    """Have `register()` (which calls `register_split_rule`) run the first time an
+    instance of `module.class_name` is split or merged (`dbo.hf` does it for
+    transformers' caches)."""
+    _deferred.append((module, class_name, register))
+
+
+def _register_known_libraries(obj: Any) -> None:
+    for module_name, class_name, register in _deferred:
+        module = sys.modules.get(module_name)
+        cls = getattr(module, class_name, None) if module is not None else None
+        if isinstance(cls, type) and isinstance(obj, cls):
+            register()
 
 
 def split_object(obj: Any, rule: _Rule, rows: list[int], path: str) -> list[Any]:
