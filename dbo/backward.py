@@ -16,12 +16,12 @@ Each ubatch's backward runs wholly in its thread (`set_multithreading_enabled(Fa
 on CUDA autograd would otherwise run every ubatch's kernels on its one device thread),
 on the streams its forward ran on (autograd runs an op's backward on its forward's
 stream). Where the ubatches' graphs meet (a tensor made before the call and used in
-it, autocast's cached weight casts), each ubatch's backward runs the shared part with its
-own gradient: the same terms summed in another order (allclose to the ubatches in turn),
-and the graphs are kept until the last ubatch's backward has run. Only what comes out of
-the call's outputs is overlapped: a loss that reaches a ubatch's graph another way (a
-tensor kept aside in `fn`) runs that part in the caller's thread, and its gradient stops
-at the ubatch's own argument leaves (`overlap_backward=False` is for such functions).
+it, autocast's cached weight casts), each ubatch's backward stops at the shared part and
+returns the gradient entering it; the shared part's backward then runs once, on their
+sum, as autograd's own would. Only what comes out of the call's outputs is overlapped:
+a loss that reaches a ubatch's graph another way (a tensor kept aside in `fn`) runs that
+part in the caller's thread, and its gradient stops at the ubatch's own argument leaves
+(`overlap_backward=False` is for such functions).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
 from dbo.split import UBatchInputs, flatten
@@ -83,21 +84,41 @@ def _any_requires_grad(part: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in flatten(part)[0])
 
 
+Edge = tuple[Any, int]
+"""An autograd edge: (node, input slot), as in `Node.next_functions`."""
+
+
 class _Plan:
-    """What the node needs for its backward: per ubatch its differentiable outputs and
-    the tensors to differentiate them by (its own leaves, then its graph's other leaves,
-    `shared[k]` for each k in `shared_at`)."""
+    """What the node needs for its backward. Per ubatch: its differentiable outputs and
+    what to differentiate them by: its own leaves, `leaves[k]` for each k in
+    `leaves_at` (the leaves its graph reaches alone), and `edges[e]` for each e in
+    `edges_at` (where its graph enters a part that several ubatches' graphs share).
+    `region_at`: the leaves (indices into `leaves`) only that shared part reaches."""
 
     def __init__(self, run_ubatches: RunUBatches) -> None:
         self.run_ubatches = run_ubatches
         self.outputs: list[list[torch.Tensor]] = []
         self.own: list[list[torch.Tensor]] = []
-        self.shared: list[torch.Tensor] = []
-        self.shared_at: list[list[int]] = []
-        self.graphs_meet = False
-        """Whether two ubatches' graphs share an inner node (a tensor made before the
-        call and used in it, autocast's cached weight casts): each ubatch's backward
-        runs it, so every backward keeps the graph until the last has run."""
+        self.leaves: list[torch.Tensor] = []
+        self.leaves_at: list[list[int]] = []
+        self.edges: list[GradientEdge] = []
+        self.edges_at: list[list[int]] = []
+        self.region_at: list[int] = []
+        self.keep_ubatch_graphs = False
+        """Whether every ubatch's backward keeps the graph: when a leaf is reached both
+        through a shared part and apart from it, each ubatch's backward runs the shared
+        part itself, and the next one runs it again."""
+
+    def add_leaves(self, leaves: list[torch.Tensor]) -> list[int]:
+        """The indices of `leaves` in `self.leaves`, added where new."""
+        index_of = {id(leaf): k for k, leaf in enumerate(self.leaves)}
+        at = []
+        for leaf in leaves:
+            if id(leaf) not in index_of:
+                index_of[id(leaf)] = len(self.leaves)
+                self.leaves.append(leaf)
+            at.append(index_of[id(leaf)])
+        return at
 
 
 def attach(
@@ -119,21 +140,10 @@ def attach(
         ])
     if not any(plan.outputs):
         return outputs
-    walked: dict[Any, int] = {}
-    index_of: dict[int, int] = {}
-    for ubatch_id, ubatch_outputs in enumerate(plan.outputs):
-        reached, meets = _graph_leaves(ubatch_outputs, own[ubatch_id], ubatch_id, walked)
-        plan.graphs_meet = plan.graphs_meet or meets
-        at = []
-        for leaf in reached:
-            if id(leaf) not in index_of:
-                index_of[id(leaf)] = len(plan.shared)
-                plan.shared.append(leaf)
-            at.append(index_of[id(leaf)])
-        plan.own.append(own[ubatch_id])
-        plan.shared_at.append(at)
+    plan.own = own
+    _plan_graphs(plan)
     inputs = [tensor for tensors in replaced for tensor in tensors]
-    aliases = iter(_UBatchesBackward.apply(plan, *inputs, *plan.shared))
+    aliases = iter(_UBatchesBackward.apply(plan, *inputs, *plan.leaves))
     merged = []
     for leaves, spec in flat:
         leaves = [
@@ -144,51 +154,88 @@ def attach(
     return merged
 
 
-def _graph_leaves(
-    outputs: list[torch.Tensor], own: list[torch.Tensor], ubatch_id: int, walked: dict[Any, int]
-) -> tuple[list[torch.Tensor], bool]:
-    """The leaves that require grad which ubatch `ubatch_id`'s graph reaches from
-    `outputs`, other than its `own`, in the order found, and whether it meets another
-    ubatch's graph at an inner node (`walked`: each inner node's first walker)."""
-    own_ids = {id(tensor) for tensor in own}
-    found: list[torch.Tensor] = []
-    found_ids: set[int] = set()
-    meets = False
-
-    def leaf(tensor: torch.Tensor) -> None:
-        if id(tensor) not in own_ids and id(tensor) not in found_ids:
-            found_ids.add(id(tensor))
-            found.append(tensor)
-
-    def visit(node: Any) -> None:
-        nonlocal meets
-        if node in mine:
+def _plan_graphs(plan: _Plan) -> None:
+    """Walk each ubatch's graph; where graphs meet (a tensor made before the call and used
+    in it, autocast's cached weight casts), each ubatch's stops at the shared part, whose
+    backward runs once, on the ubatches' gradients summed (`_UBatchesBackward`), as
+    autograd's own would; unless a leaf is also reached apart from the shared part."""
+    walks = [
+        _walk(_starts(outputs), own, frozenset())
+        for outputs, own in zip(plan.outputs, plan.own)
+    ]
+    seen_by: dict[Any, int] = {}
+    for _, _, nodes in walks:
+        for node in nodes:
+            seen_by[node] = seen_by.get(node, 0) + 1
+    shared = frozenset(node for node, count in seen_by.items() if count > 1)
+    if shared:
+        cut = [
+            _walk(_starts(outputs), own, shared)
+            for outputs, own in zip(plan.outputs, plan.own)
+        ]
+        entries = list(dict.fromkeys(edge for _, edges, _ in cut for edge in edges))
+        region, _, _ = _walk(entries, [], frozenset())
+        apart = {id(leaf) for leaves, _, _ in cut for leaf in leaves}
+        if not any(id(leaf) in apart for leaf in region):
+            for leaves, edges, _ in cut:
+                plan.leaves_at.append(plan.add_leaves(leaves))
+                plan.edges_at.append([entries.index(edge) for edge in edges])
+            plan.edges = [GradientEdge(node, slot) for node, slot in entries]
+            plan.region_at = plan.add_leaves(region)
             return
-        mine.add(node)
-        meets = meets or walked.setdefault(node, ubatch_id) != ubatch_id
-        stack.append(node)
+        plan.keep_ubatch_graphs = True
+    for leaves, _, _ in walks:
+        plan.leaves_at.append(plan.add_leaves(leaves))
+        plan.edges_at.append([])
 
-    mine: set[Any] = set()
+
+def _starts(outputs: list[torch.Tensor]) -> list[Edge | torch.Tensor]:
+    """Where a walk of `outputs`' graph starts: their edges, or themselves for leaves."""
+    return [
+        output if output.grad_fn is None else (output.grad_fn, output.output_nr)
+        for output in outputs
+    ]
+
+
+def _walk(
+    starts: Sequence[Edge | torch.Tensor], own: list[torch.Tensor], stop: frozenset[Any]
+) -> tuple[list[torch.Tensor], list[Edge], set[Any]]:
+    """From `starts` (edges, or leaves): the leaves that require grad reached, other than
+    `own`; the edges into `stop` nodes (not walked past); the inner nodes walked."""
+    skip = {id(tensor) for tensor in own}
+    leaves: list[torch.Tensor] = []
+    edges: list[Edge] = []
+    nodes: set[Any] = set()
     stack: list[Any] = []
-    for output in outputs:
-        if output.grad_fn is None:
-            leaf(output)  # a leaf returned as it is (a parameter)
-        else:
-            visit(output.grad_fn)
+
+    def reach(item: Edge | torch.Tensor) -> None:
+        if isinstance(item, torch.Tensor):
+            if id(item) not in skip:
+                skip.add(id(item))
+                leaves.append(item)
+            return
+        node = item[0]
+        if type(node) is _AccumulateGrad:
+            reach(node.variable)  # type: ignore[union-attr]
+        elif node in stop:
+            if item not in edges:
+                edges.append(item)
+        elif node not in nodes:
+            nodes.add(node)
+            stack.append(node)
+
+    for start in starts:
+        reach(start)
     while stack:
-        for node, _ in stack.pop().next_functions:
-            if node is None:
-                continue
-            if type(node) is _AccumulateGrad:
-                leaf(node.variable)  # type: ignore[union-attr]
-            else:
-                visit(node)
-    return found, meets
+        for edge in stack.pop().next_functions:
+            if edge[0] is not None:
+                reach(edge)
+    return leaves, edges, nodes
 
 
 class _UBatchesBackward(torch.autograd.Function):
     """Inputs: the plan, the split arguments that require grad (ubatch by ubatch), then
-    the shared leaves. Outputs: aliases of the ubatches' differentiable outputs."""
+    the plan's leaves. Outputs: aliases of the ubatches' differentiable outputs."""
 
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -223,22 +270,41 @@ class _UBatchesBackward(torch.autograd.Function):
                 if grad is not None
             ]
             position += len(outputs)
-            wrt = [*plan.own[ubatch_id], *(plan.shared[k] for k in plan.shared_at[ubatch_id])]
-            jobs.append(((roots, wrt, keep_graph or plan.graphs_meet), {}))
-        # Lists, emptied as they are summed: a shared leaf's gradients go once added, so
-        # at most two copies of the parameters' gradients live, not three.
-        results = [list(grads) for grads in plan.run_ubatches(_ubatch_backward, jobs)]
+            wrt = [
+                *plan.own[ubatch_id], *(plan.leaves[k] for k in plan.leaves_at[ubatch_id]),
+                *(plan.edges[e] for e in plan.edges_at[ubatch_id]),
+            ]
+            jobs.append(((roots, wrt, keep_graph or plan.keep_ubatch_graphs), {}))
+        # Lists, emptied as they are summed: a leaf's gradients go once added, so at most
+        # two copies of the parameters' gradients live, not three.
+        results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
         own_grads: list[torch.Tensor | None] = []
-        shared_grads: list[torch.Tensor | None] = [None] * len(plan.shared)
+        leaf_grads: list[torch.Tensor | None] = [None] * len(plan.leaves)
+        edge_grads: list[torch.Tensor | None] = [None] * len(plan.edges)
         for ubatch_id, ubatch_grads in enumerate(results):
             num_own = len(plan.own[ubatch_id])
             own_grads.extend(ubatch_grads[:num_own])
-            for index, k in enumerate(plan.shared_at[ubatch_id], start=num_own):
+            places = [
+                *((leaf_grads, k) for k in plan.leaves_at[ubatch_id]),
+                *((edge_grads, e) for e in plan.edges_at[ubatch_id]),
+            ]
+            for index, (sums, k) in enumerate(places, start=num_own):
                 grad, ubatch_grads[index] = ubatch_grads[index], None
                 if grad is not None:
-                    total = shared_grads[k]
-                    shared_grads[k] = grad if total is None else total + grad
-        return (None, *own_grads, *shared_grads)
+                    total = sums[k]
+                    sums[k] = grad if total is None else total + grad
+        entered = [(edge, grad) for edge, grad in zip(plan.edges, edge_grads) if grad is not None]
+        if entered and plan.region_at:
+            # The shared part's backward, once, on the ubatches' gradients summed. It keeps
+            # the graph: autograd may reach that part again from outside the call.
+            edges, summed = zip(*entered)
+            region = [plan.leaves[k] for k in plan.region_at]
+            for k, grad in zip(plan.region_at, torch.autograd.grad(
+                edges, region, summed, retain_graph=True, allow_unused=True
+            )):
+                total = leaf_grads[k]
+                leaf_grads[k] = grad if total is None or grad is None else total + grad
+        return (None, *own_grads, *leaf_grads)
 
 
 def _ubatch_backward(

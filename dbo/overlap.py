@@ -100,8 +100,8 @@ def overlap(
             ubatch thread, overlapped as the forward (`dbo.backward`): the gradients of the
             outputs reach the arguments and parameters as if the ubatches had run in turn
             (with two ubatches bitwise, unless autograd sums some terms in another order:
-            a parameter used more than once per ubatch, as tied weights are, autocast's
-            weight casts or a tensor `fn` closes over, shared by the ubatches: allclose).
+            a parameter used more than once per ubatch, as tied weights are, or under
+            autocast, whose cache of weight casts the ubatch threads share: allclose).
             The function must then not modify its arguments in place, and return every
             tensor a loss uses; the backward takes no `create_graph=True`. False: the
             backward runs whole in the caller's thread, blocking at each exchange (use it

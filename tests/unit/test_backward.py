@@ -247,9 +247,9 @@ def test_create_graph_is_refused_naming_the_option_that_allows_it() -> None:
     assert model.first.weight.grad is not None
 
 
-def test_a_tensor_from_before_the_call_used_inside_it_gets_close_gradients() -> None:
-    """The ubatches' graphs meet at `offset`'s: each ubatch's backward runs that part
-    with its own gradient, and autograd sums the terms in another order."""
+def test_a_tensor_from_before_the_call_used_inside_it_gets_the_in_turn_gradients() -> None:
+    """The ubatches' graphs meet at `offset`'s: its backward runs once, on the sum of the
+    gradients the ubatches' backwards bring to it, as autograd's own does."""
     model, x = _Model(), _x()
 
     def with_offset(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -258,11 +258,8 @@ def test_a_tensor_from_before_the_call_used_inside_it_gets_close_gradients() -> 
             return step(lambda x: model.block(x + offset))(x)
         return call
 
-    overlapped = with_offset(lambda fn: dbo.overlap(fn, timeout_s=30))
-    first = _grads(model, x, overlapped)
-    assert _bitwise(first, _grads(model, x, overlapped))  # the same bits every run
     want = _grads(model, x, with_offset(_in_turn))
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(first, want))
+    assert _bitwise(_grads(model, x, with_offset(lambda fn: dbo.overlap(fn, timeout_s=30))), want)
     whole = with_offset(lambda fn: dbo.overlap(fn, overlap_backward=False, timeout_s=30))
     assert _bitwise(_grads(model, x, whole), want)
 
@@ -337,13 +334,17 @@ class _Saves(torch.autograd.Function):
         return grad + 0 * kept
 
 
-@pytest.mark.parametrize("graphs_meet", [False, True], ids=["apart", "meeting"])
+@pytest.mark.parametrize("graphs", ["apart", "meeting", "meeting-and-apart"])
 def test_the_ubatches_saved_tensors_are_freed_by_the_backward_while_the_output_lives(
-    graphs_meet: bool,
+    graphs: str,
 ) -> None:
     model, x = _Model(), _x()
     _Saves.saved = []
-    offset = model.pre(torch.ones(1, 8)) if graphs_meet else torch.zeros(1, 8)
+    offset = {
+        "apart": lambda: torch.zeros(1, 8),
+        "meeting": lambda: model.pre(torch.ones(1, 8)),
+        "meeting-and-apart": lambda: model.second(torch.ones(1, 16)),  # block uses it too
+    }[graphs]()
     y = dbo.overlap(lambda x: _Saves.apply(model.block(x + offset)), timeout_s=30)(model.pre(x))
     assert len(_Saves.saved) == 2 and all(ref() is not None for ref in _Saves.saved)
     y.sum().backward()
@@ -436,3 +437,21 @@ def test_training_under_autocast_gives_close_gradients_the_same_every_run() -> N
     assert _bitwise(got, grads(dbo.overlap(model.block, timeout_s=30)))
     want = grads(_in_turn(model.block))
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(got, want))
+
+
+def test_a_parameter_used_before_the_call_and_inside_it_gets_close_gradients() -> None:
+    """`offset` comes from `second`, which the block uses too: each ubatch's backward runs
+    `offset`'s part itself (autograd sums the same terms in another order)."""
+    model, x = _Model(), _x()
+
+    def with_offset(step: Callable[..., Any]) -> Callable[..., Any]:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            offset = model.second(torch.ones(1, 16))
+            return step(lambda x: model.block(x + offset))(x)
+        return call
+
+    overlapped = with_offset(lambda fn: dbo.overlap(fn, timeout_s=30))
+    first = _grads(model, x, overlapped)
+    assert _bitwise(first, _grads(model, x, overlapped))  # the same bits every run
+    want = _grads(model, x, with_offset(_in_turn))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(first, want))
