@@ -163,12 +163,13 @@ def _plan_graphs(plan: _Plan) -> None:
         _walk(_starts(outputs), own, frozenset())
         for outputs, own in zip(plan.outputs, plan.own)
     ]
-    seen_by: dict[Any, int] = {}
+    walked: set[Any] = set()
+    met: set[Any] = set()  # the inner nodes more than one ubatch's walk reached
     for _, _, nodes in walks:
-        for node in nodes:
-            seen_by[node] = seen_by.get(node, 0) + 1
-    shared = frozenset(node for node, count in seen_by.items() if count > 1)
-    if shared:
+        met |= walked & nodes
+        walked |= nodes
+    if met:
+        shared = frozenset(met)
         cut = [
             _walk(_starts(outputs), own, shared)
             for outputs, own in zip(plan.outputs, plan.own)
