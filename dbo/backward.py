@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 
-from dbo.split import UBatchInputs, flatten
+from dbo.split import UBatchInputs, flat_arguments, flatten
 
 RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
 """`run_ubatches(fn, [(args_i, kwargs_i), ...]) -> [fn(*args_i, **kwargs_i), ...]`, each in
@@ -52,11 +52,11 @@ def own_leaves(
     """Each ubatch's arguments with every tensor that requires grad replaced by a detached
     leaf of its own (one per tensor, however often it is passed); per ubatch its leaves
     and the tensors they replaced, in the same order."""
+    if not any(_any_requires_grad(part) for part in parts):
+        return parts, [[] for _ in parts], [[] for _ in parts]
     mine_parts: UBatchInputs = []
     mine: list[list[torch.Tensor]] = []
     replaced: list[list[torch.Tensor]] = []
-    if not any(_any_requires_grad(part) for part in parts):
-        return parts, [[] for _ in parts], [[] for _ in parts]
     for part in parts:
         leaves, spec = flatten(part)
         own: dict[int, torch.Tensor] = {}
@@ -73,15 +73,12 @@ def own_leaves(
     return mine_parts, mine, replaced
 
 
-_SCALARS = (int, float, bool, str, type(None))
-
-
 def _any_requires_grad(part: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     """Whether a tensor in `part` requires grad; no tree walk for flat tensor arguments."""
-    flat = (*part[0], *part[1].values())
-    if all(type(arg) is torch.Tensor or type(arg) in _SCALARS for arg in flat):
-        return any(type(arg) is torch.Tensor and arg.requires_grad for arg in flat)
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in flatten(part)[0])
+    leaves = flat_arguments([part])
+    if leaves is None:
+        leaves = flatten(part)[0]
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
 
 
 Edge = tuple[Any, int]
@@ -100,6 +97,8 @@ class _Plan:
         self.outputs: list[list[torch.Tensor]] = []
         self.own: list[list[torch.Tensor]] = []
         self.leaves: list[torch.Tensor] = []
+        self._index_of: dict[int, int] = {}
+        """`id(leaf)` -> its index in `leaves`."""
         self.leaves_at: list[list[int]] = []
         self.edges: list[GradientEdge] = []
         self.edges_at: list[list[int]] = []
@@ -111,13 +110,12 @@ class _Plan:
 
     def add_leaves(self, leaves: list[torch.Tensor]) -> list[int]:
         """The indices of `leaves` in `self.leaves`, added where new."""
-        index_of = {id(leaf): k for k, leaf in enumerate(self.leaves)}
         at = []
         for leaf in leaves:
-            if id(leaf) not in index_of:
-                index_of[id(leaf)] = len(self.leaves)
+            if id(leaf) not in self._index_of:
+                self._index_of[id(leaf)] = len(self.leaves)
                 self.leaves.append(leaf)
-            at.append(index_of[id(leaf)])
+            at.append(self._index_of[id(leaf)])
         return at
 
 
@@ -174,13 +172,16 @@ def _plan_graphs(plan: _Plan) -> None:
             _walk(_starts(outputs), own, shared)
             for outputs, own in zip(plan.outputs, plan.own)
         ]
-        entries = list(dict.fromkeys(edge for _, edges, _ in cut for edge in edges))
+        entry_of = {edge: e for e, edge in enumerate(
+            dict.fromkeys(edge for _, edges, _ in cut for edge in edges)
+        )}
+        entries = list(entry_of)
         region, _, _ = _walk(entries, [], frozenset())
         apart = {id(leaf) for leaves, _, _ in cut for leaf in leaves}
         if not any(id(leaf) in apart for leaf in region):
             for leaves, edges, _ in cut:
                 plan.leaves_at.append(plan.add_leaves(leaves))
-                plan.edges_at.append([entries.index(edge) for edge in edges])
+                plan.edges_at.append([entry_of[edge] for edge in edges])
             plan.edges = [GradientEdge(node, slot) for node, slot in entries]
             plan.region_at = plan.add_leaves(region)
             return
@@ -205,7 +206,7 @@ def _walk(
     `own`; the edges into `stop` nodes (not walked past); the inner nodes walked."""
     skip = {id(tensor) for tensor in own}
     leaves: list[torch.Tensor] = []
-    edges: list[Edge] = []
+    edges: dict[Edge, None] = {}  # ordered, each edge once
     nodes: set[Any] = set()
     stack: list[Any] = []
 
@@ -219,8 +220,7 @@ def _walk(
         if type(node) is _AccumulateGrad:
             reach(node.variable)  # type: ignore[union-attr]
         elif node in stop:
-            if item not in edges:
-                edges.append(item)
+            edges[item] = None
         elif node not in nodes:
             nodes.add(node)
             stack.append(node)
@@ -231,7 +231,7 @@ def _walk(
         for edge in stack.pop().next_functions:
             if edge[0] is not None:
                 reach(edge)
-    return leaves, edges, nodes
+    return leaves, list(edges), nodes
 
 
 class _UBatchesBackward(torch.autograd.Function):

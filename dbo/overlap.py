@@ -176,7 +176,6 @@ class Overlapped:
             fn, "__name__"
         )
         functools.update_wrapper(self, fn, updated=functools.WRAPPER_UPDATES if plain else ())
-        self.__wrapped__ = fn
         # Set after update_wrapper, which copies a plain function's __dict__ onto this one.
         self.dbo_target = fn
         self.dbo_whole = whole

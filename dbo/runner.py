@@ -27,7 +27,7 @@ from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
 from dbo.device import DeviceBackend, StreamLease, backend_for, held_streams
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
-from dbo.split import describe_ubatch_input, is_ubatch_input
+from dbo.split import describe_ubatch_input, flat_arguments, is_ubatch_input
 
 _Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 
@@ -504,16 +504,10 @@ def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseExcepti
     return (own or failures)[0] if failures else None
 
 
-_SCALARS = (int, float, bool, str, type(None))
-
-
 def _input_leaves(inputs: _Inputs) -> list[Any]:
-    """The leaves of `inputs`, in order; no tree walk for flat tensor and scalar arguments
-    (the usual `fn(x)`: a walk costs more than the rest of the check)."""
-    flat = [arg for args, kwargs in inputs for arg in (*args, *kwargs.values())]
-    if all(type(arg) is torch.Tensor or type(arg) in _SCALARS for arg in flat):
-        return flat
-    return tree_leaves(inputs)
+    """The leaves of `inputs`, in order; no tree walk for flat tensor and scalar arguments."""
+    flat = flat_arguments(inputs)
+    return flat if flat is not None else tree_leaves(inputs)
 
 
 def _check_input_devices(leaves: list[Any], device: torch.device, bare: bool) -> None:

@@ -47,6 +47,19 @@ def _is_leaf(node: Any) -> bool:
     return isinstance(node, torch.Size) or stateful.rule_for(node) is not None
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def flat_arguments(inputs: UBatchInputs) -> list[Any] | None:
+    """The ubatches' arguments in order when each is a plain tensor or scalar (the usual
+    `fn(x)`, where a tree walk would cost more than what the caller does with them);
+    None when one is anything else."""
+    flat = [arg for args, kwargs in inputs for arg in (*args, *kwargs.values())]
+    if all(type(arg) is torch.Tensor or type(arg) in _SCALARS for arg in flat):
+        return flat
+    return None
+
+
 def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
     """`tree`'s leaves and spec; shapes and objects with a split rule are leaves."""
     return pytree.tree_flatten(tree, is_leaf=_is_leaf)
