@@ -219,7 +219,7 @@ def compare(
             blocked[name], timelines[name] = _blocked_ms(fn, device)
         with dbo.trace() as picture:  # one step: the alternation is readable
             step_ms(overlapped, device)
-    files, plot_error = _write_traces(args.out, rank, timelines["dbo"], picture)
+    files, plot_error = write_traces(args.out, rank, timelines["dbo"], picture)
     # Per step and mode the slowest rank; the blocked time of the rank blocked longest.
     slowest_ms = gather([t for name in modes for t in times[name]], device).max(dim=0).values
     per_mode = dict(zip(modes, slowest_ms.view(len(modes), args.steps).tolist(), strict=True))
@@ -256,21 +256,23 @@ def _summarize(
     }
 
 
-def _write_traces(
-    out: str, rank: int, timeline: dbo.Trace, picture: dbo.Trace
+def write_traces(
+    out: str, rank: int, timeline: dbo.Trace, picture: dbo.Trace, *, name: str = "dbo",
+    title: str = "one DBO step",
 ) -> tuple[list[str], str]:
-    """This rank's Chrome trace of the traced DBO steps and a PNG of one step. Returns the
-    paths rank 0 names (every rank's, by the same pattern: traces, then PNGs) and, where
-    matplotlib is missing, why there are no PNGs (the checks and the table go on)."""
+    """This rank's Chrome trace of `timeline` (`out`/{name}_rank{r}.json) and a PNG of
+    `picture` titled `title`. Returns the paths rank 0 names (every rank's, by the same
+    pattern: traces, then PNGs) and, where matplotlib is missing, why there are no PNGs
+    (the checks and the table go on)."""
     os.makedirs(out, exist_ok=True)
-    timeline.save(os.path.join(out, f"dbo_rank{rank}.json"), f"rank {rank}")
+    timeline.save(os.path.join(out, f"{name}_rank{rank}.json"), f"rank {rank}")
     ranks = range(dist.get_world_size())
-    files = [os.path.join(out, f"dbo_rank{r}.json") for r in ranks]
+    files = [os.path.join(out, f"{name}_rank{r}.json") for r in ranks]
     try:
-        picture.plot(os.path.join(out, f"dbo_rank{rank}.png"), f"one DBO step, rank {rank}")
+        picture.plot(os.path.join(out, f"{name}_rank{rank}.png"), f"{title}, rank {rank}")
     except ImportError as error:
         return files, str(error)
-    return files + [os.path.join(out, f"dbo_rank{r}.png") for r in ranks], ""
+    return files + [os.path.join(out, f"{name}_rank{r}.png") for r in ranks], ""
 
 
 def _spread(values: list[float]) -> str:

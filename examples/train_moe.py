@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -148,18 +147,10 @@ def _trace_one_step(
     x, target = _batch(args, 20_000, device)
     with dbo.trace() as timeline:
         trainer.step(x, target, _plain_backward)
-    os.makedirs(args.out, exist_ok=True)
-    ranks = range(dist.get_world_size())
-    timeline.save(os.path.join(args.out, f"train_rank{rank}.json"), f"rank {rank}")
-    files = [os.path.join(args.out, f"train_rank{r}.json") for r in ranks]
-    try:
-        timeline.plot(
-            os.path.join(args.out, f"train_rank{rank}.png"),
-            f"one DBO training step (forward, then backward), rank {rank}",
-        )
-    except ImportError as error:
-        return files, str(error)
-    return files + [os.path.join(args.out, f"train_rank{r}.png") for r in ranks], ""
+    return _harness.write_traces(
+        args.out, rank, timeline, timeline, name="train",
+        title="one DBO training step (forward, then backward)",
+    )
 
 
 def _summarize(
