@@ -53,63 +53,37 @@ def test_the_callers_autocast_still_reaches_every_call_after_a_leak() -> None:
     assert _overlap(_innocent)(x).dtype == torch.float32
 
 
-@pytest.mark.parametrize("device_type", _thread_settings._autocast().device_types)
-def test_autocast_of_every_device_type_is_captured(device_type: str) -> None:
-    """The capture asks torch's any-autocast query first and only the types it misses
-    one by one: each type's flag is still seen."""
-    before = torch.is_autocast_enabled(device_type)
+@pytest.mark.parametrize(
+    "device_type",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="torch.autocast refuses cuda without CUDA"
+    ))],
+)
+def test_the_callers_autocast_reaches_the_ubatches(device_type: str) -> None:
+    """With its dtype and cache flag."""
+    if device_type == "cuda":
+        torch.cuda.init()
+    before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
     torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, torch.float16)
     try:
-        captured = _thread_settings.capture().autocast
-    finally:
-        torch.set_autocast_enabled(device_type, before)
-    assert [kind for kind, _ in captured] == [device_type]
-    assert _thread_settings.capture().autocast == ()
-
-
-@pytest.mark.parametrize("device_type", ["hpu", "xpu", "mps"])
-def test_autocast_of_other_device_types_is_replayed(device_type: str) -> None:
-    """Setting the flag needs no such device (cuda and privateuseone are replayed through
-    `torch.autocast`, which refuses a device this machine does not have)."""
-    before = torch.is_autocast_enabled(device_type)
-    torch.set_autocast_enabled(device_type, True)
-    try:
-        seen: list[bool] = []
+        assert _thread_settings.capture().autocast == (
+            (device_type, torch.float16, torch.is_autocast_cache_enabled()),
+        )
+        seen: list[tuple[bool, torch.dtype]] = []
 
         def fn(x: torch.Tensor) -> torch.Tensor:
-            seen.append(torch.is_autocast_enabled(device_type))
+            seen.append(
+                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            )
             return x
 
         _overlap(fn)(torch.zeros(4))
     finally:
-        torch.set_autocast_enabled(device_type, before)
-    assert seen == [True, True]
-
-
-def test_the_autocast_probe_runs_once_and_leaves_the_callers_autocast_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_thread_settings, "_autocast_query", None)  # not probed yet
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        query = _thread_settings._autocast()  # cannot learn while one is on: asks every type
-        assert query.any_enabled is None and query.missed == query.device_types
-        assert torch.is_autocast_enabled("cpu")
-    assert _thread_settings._autocast_query is None
-    query = _thread_settings._autocast()
-    assert query.any_enabled is torch._C._is_any_autocast_enabled
-    assert not any(torch.is_autocast_enabled(kind) for kind in query.device_types)
-    assert _thread_settings._autocast() is query
-
-
-def test_without_the_any_autocast_query_every_type_is_asked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delattr(torch._C, "_is_any_autocast_enabled")
-    monkeypatch.setattr(_thread_settings, "_autocast_query", None)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _thread_settings.capture().autocast == (("cpu", torch.bfloat16),)
+        torch.set_autocast_enabled(device_type, before[0])
+        torch.set_autocast_dtype(device_type, before[1])
+    assert seen == [(True, torch.float16)] * 2
     assert _thread_settings.capture().autocast == ()
-    assert _thread_settings._autocast().missed == _thread_settings._autocast().device_types
 
 
 # ------------------------------------------------------ nothing left to the next call
