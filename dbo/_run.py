@@ -8,11 +8,10 @@ their registered `UBatchContext.run`, which is how the module-level functions
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from dbo._wakeup import Wakeup
 from dbo.baton import Baton
@@ -28,9 +27,18 @@ class UBatchStreams:
     comm: Any
 
 
-_HOOK_POLL_LIMIT_S = 30.0
-"""How long hooks for a ubatch that has returned may keep registering new ones (polling
-for a receive) before the run fails."""
+class _RecvHook(NamedTuple):
+    owner: int
+    """The ubatch that registered it, or whose hook did (a receive in stages)."""
+    hook: Callable[[], Any]
+    sent: Any
+    """Recorded at registration on the registering thread's stream: the hook runs after it."""
+
+
+_MAX_RECV_HOOK_ROUNDS = 100
+"""Rounds of recv hooks, at most, that a ubatch runs at its end for a ubatch that has
+returned, each round the ones the round before registered (a receive in stages): a hook
+that keeps registering itself (a poll) fails the run instead of hanging it."""
 
 
 class OverlapRun:
@@ -66,14 +74,13 @@ class OverlapRun:
         self.fork_event: Any = None
         """Recorded on `caller_stream` at the start; every ubatch stream waits for it."""
         self.join_events: list[list[Any]] = [[] for _ in range(num_ubatches)]
-        self._hooks_for: list[list[tuple[int, Callable[[], Any]]]] = [
-            [] for _ in range(num_ubatches)
-        ]
-        """(owner, hook) pairs waiting for ubatch k, registered by the ubatch before it."""
-        self._running_hook_owner: list[int | None] = [None] * num_ubatches
-        """While ubatch k's thread runs a hook: the ubatch that hook belongs to, which
-        also owns a stage the hook registers (a two-stage receive)."""
-        self._finished = [False] * num_ubatches
+        self._recv_hooks: list[list[_RecvHook]] = [[] for _ in range(num_ubatches)]
+        """The hooks pending for each ubatch, in the order they were registered."""
+        self._hook_owner: list[int | None] = [None] * num_ubatches
+        """While ubatch k's thread runs a hook: its owner, who owns a stage it registers."""
+        self._returned = [False] * num_ubatches
+        """Ubatch k has run the hooks pending for it at its end: the ubatch before it
+        runs the ones it registers from then on, at its own end."""
         self._ended_normally = [False] * num_ubatches
         self._exit_callbacks: list[list[tuple[Callable[[], Any], Callable[[], Any] | None]]] = [
             [] for _ in range(num_ubatches)
@@ -140,43 +147,36 @@ class OverlapRun:
         run, and they must not keep what they hold (an async comm handle) alive with it."""
         for callbacks in self._exit_callbacks:
             callbacks.clear()
-        for hooks in self._hooks_for:
+        for hooks in self._recv_hooks:
             hooks.clear()
 
     def finish_normally(self, ubatch_id: int) -> None:
-        """At a ubatch's normal end, in its thread: its exit callbacks, in order, then the
-        recv hooks still pending (`run_remaining_hooks`), again until neither registers
-        more (a hook may start a collective whose handle registers a callback)."""
-        callbacks = self._exit_callbacks[ubatch_id]
+        """At a ubatch's normal end, in its thread: its exit callbacks, in order; the recv
+        hooks pending for it; the ones it registered for the next ubatch if that one has
+        returned (nobody else will run them); again until none registers a callback (a
+        hook may start a collective whose handle registers one)."""
+        callbacks, target = self._exit_callbacks[ubatch_id], (ubatch_id + 1) % self.num_ubatches
+        rounds = 0
         while True:
             while callbacks:
                 callbacks.pop(0)[0]()
-            self.run_remaining_hooks(ubatch_id)
+            # No limit: a new hook comes from the previous ubatch, which a hook yielded to
+            # (a single ubatch is its own target: the loop below runs its hooks).
+            while target != ubatch_id and self.maybe_run_recv_hook(ubatch_id):
+                pass
+            self._returned[ubatch_id] = True
+            while self._returned[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
+                rounds += 1
+                if rounds >= _MAX_RECV_HOOK_ROUNDS and self._recv_hooks[target]:
+                    raise RuntimeError(
+                        f"recv hooks for ubatch {target}, which has returned, kept registering "
+                        f"new ones for {rounds} rounds at the end of ubatch {ubatch_id}; a "
+                        "hook that runs after its target has returned must complete its "
+                        "receive (wait for it), not register itself again to poll"
+                    )
             if not callbacks:
                 self._ended_normally[ubatch_id] = True
                 return
-
-    def run_remaining_hooks(self, ubatch_id: int) -> None:
-        """At a ubatch's normal end: run the hooks pending for it until none is left (a
-        hook that yields lets the previous ubatch register another), count it finished,
-        then run the hooks it registered for a ubatch that has already finished (nobody
-        else would), for at most `_HOOK_POLL_LIMIT_S` while they keep registering more."""
-        while self.maybe_run_recv_hook(ubatch_id):
-            pass  # no time limit: each new hook comes from the previous ubatch's progress
-        self._finished[ubatch_id] = True
-        target = (ubatch_id + 1) % self.num_ubatches
-        deadline = None
-        while self._finished[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + _HOOK_POLL_LIMIT_S
-            elif now > deadline:
-                raise RuntimeError(
-                    f"recv hooks for ubatch {target}, which has returned, kept registering "
-                    f"new hooks for {_HOOK_POLL_LIMIT_S:g} s; a hook that polls must finish "
-                    "once its ubatch has returned"
-                )
-            time.sleep(0)  # let other threads run between polls
 
     # ------------------------------------------------------------------ ubatch-side API
     def current_stream(self, ubatch_id: int) -> Any:
@@ -214,60 +214,51 @@ class OverlapRun:
         self.on_comm[ubatch_id] = to_comm
 
     def register_recv_hook(self, ubatch_id: int, hook: Callable[[], Any]) -> None:
-        """Queue `hook` for the next ubatch; registered from inside a hook, it belongs to
-        that hook's owner."""
-        owner = self._running_hook_owner[ubatch_id]
-        owner = ubatch_id if owner is None else owner
-        self._hooks_for[(ubatch_id + 1) % self.num_ubatches].append((owner, hook))
+        """Queue `hook` for the next ubatch, after an event on the thread's current stream;
+        registered from inside a hook, it belongs to that hook's owner."""
+        owner = self._hook_owner[ubatch_id]
+        sent = self.backend.record_event(self.backend.current_stream())
+        self._recv_hooks[(ubatch_id + 1) % self.num_ubatches].append(
+            _RecvHook(ubatch_id if owner is None else owner, hook, sent)
+        )
 
     def maybe_run_recv_hook(self, ubatch_id: int, running: int | None = None) -> bool:
-        """Run (once each, in order) the hooks pending for `ubatch_id`; True if any ran.
-
-        `running` is the ubatch whose thread runs them (default: `ubatch_id`). A hook of
-        another ubatch runs on its owner's comm stream, ordered after the owner's compute
-        or comm stream (not a side stream it parked on: unsupported), and the owner's
-        compute stream then waits for it: neither ubatch's queue holds the other's work.
-        A hook of the running ubatch, or of one that has ended (after its join events:
-        the caller joins the owner's streams already), runs on the running thread's stream.
-        """
-        pending = self._hooks_for[ubatch_id]
+        """Run (once each, in order) the hooks pending for `ubatch_id` in the thread of
+        `running` (default: `ubatch_id`); True if any ran. A failing hook's error names
+        its owner; the hooks after it stay pending (`fn` may catch the error)."""
+        pending = self._recv_hooks[ubatch_id]
         if not pending:
             return False
-        self._hooks_for[ubatch_id] = []
-        running = ubatch_id if running is None else running
-        outer_owner = self._running_hook_owner[running]  # a hook may run hooks
-        previous = self.backend.current_stream()
-        try:
-            for index, (owner, hook) in enumerate(pending):
-                self._running_hook_owner[running] = owner
-                foreign = owner != running and not self.join_events[owner]
-                if foreign:
-                    self._enter_comm_of(owner)
-                elif owner != running:
-                    for event in self.join_events[owner]:
-                        self.backend.wait_event(previous, event)
-                try:
-                    hook()
-                except BaseException as error:  # noqa: B036 - re-raised, with where it came from
-                    # The ones after it stay queued (`fn` may catch the error and run them).
-                    self._hooks_for[ubatch_id][:0] = pending[index + 1 :]
-                    add_note(error, f"in a recv hook registered by ubatch {owner}")
-                    raise
-                finally:
-                    self._running_hook_owner[running] = outer_owner
-                    if foreign:
-                        owner_streams = self.streams[owner]
-                        done = self.backend.record_event(owner_streams.comm)
-                        self.backend.wait_event(owner_streams.compute, done)
-                        self.backend.set_current_stream(previous)  # for the next hook
-        finally:
-            self.backend.set_current_stream(previous)
+        self._recv_hooks[ubatch_id] = []
+        for index, recv in enumerate(pending):
+            try:
+                self._run_hook(recv, ubatch_id if running is None else running)
+            except BaseException as error:  # noqa: B036 - re-raised, with where it came from
+                self._recv_hooks[ubatch_id][:0] = pending[index + 1 :]
+                add_note(error, f"in a recv hook registered by ubatch {recv.owner}")
+                raise
         return True
 
-    def _enter_comm_of(self, owner: int) -> None:
-        """Make `owner`'s comm stream current, ordered after `owner`'s compute stream if
-        that is where it is (it is parked: only its own work is there)."""
-        streams = self.streams[owner]
-        if not self.on_comm[owner]:
-            self.backend.wait_event(streams.comm, self.backend.record_event(streams.compute))
-        self.backend.set_current_stream(streams.comm)
+    def _run_hook(self, recv: _RecvHook, running: int) -> None:
+        """Run one hook in `running`'s thread, after the event recorded at its registration.
+
+        Another live ubatch's hook runs on that owner's comm stream, and the owner's compute
+        stream then waits for it: no stream of one ubatch waits for the other's. The
+        running ubatch's own hook, or one whose owner has ended (the caller joins its
+        streams already), runs on the running thread's current stream.
+        """
+        backend, owner = self.backend, recv.owner
+        previous = backend.current_stream()
+        foreign = owner != running and not self.join_events[owner]
+        stream = self.streams[owner].comm if foreign else previous
+        outer_owner, self._hook_owner[running] = self._hook_owner[running], owner
+        try:
+            if foreign:
+                backend.set_current_stream(stream)
+            backend.wait_event(stream, recv.sent)
+            recv.hook()
+        finally:
+            self._hook_owner[running] = outer_owner
+            if foreign:
+                backend.wait_event(self.streams[owner].compute, backend.record_event(stream))
+                backend.set_current_stream(previous)

@@ -170,13 +170,19 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
     """Hand `hook` to the next ubatch in the ring, to run at its `maybe_run_recv_hook()`.
 
     The pattern of low-latency all-to-all kernels that split send and receive: ubatch i
-    sends, registers the receive, yields; ubatch i+1 runs it at its next
-    `maybe_run_recv_hook()`. A hook still pending when its target finishes runs before
-    the overlap returns; an exception in a hook fails the overlap. Its kernels go to this
-    ubatch's comm stream (ordered after this ubatch's work, not the running one's), and
-    this ubatch's compute stream waits for them; a hook must not switch streams.
-    Unsupported: a hook that runs while this ubatch yields inside `with
-    torch.cuda.stream(side):` is ordered after its compute stream, not `side`.
+    sends, registers the receive, yields; ubatch i+1 runs it in its own thread at its
+    next `maybe_run_recv_hook()`. Streams: the hook runs after an event recorded now on
+    this thread's current stream (it sees the send), on this ubatch's comm stream (not
+    behind the running ubatch's work), and this ubatch's compute stream then waits for
+    it (inside `with torch.cuda.stream(side):`, `side` does not); a hook must not switch
+    streams. Once this ubatch has returned, its hooks run on the running ubatch's stream.
+
+    A hook registered from inside a hook belongs to that hook's ubatch (a receive in
+    stages). Hooks still pending at the end run before the overlap returns: a ubatch
+    runs the ones it registered for a ubatch that has already returned at its own end,
+    with the ones they register, for at most 100 rounds (a hook that keeps registering
+    itself to poll fails the overlap with RuntimeError). An exception in a hook fails
+    the overlap, with a note naming the ubatch that registered it.
     Outside an overlap the hook runs at once (dropping it would lose the receive).
     """
     if not callable(hook):
@@ -189,7 +195,11 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
 
 
 def maybe_run_recv_hook() -> bool:
-    """Run (once each) the hooks the previous ubatch registered for this one; True if
-    any ran. Outside an overlap: False."""
+    """Run, in this thread and in the order they were registered, the recv hooks the
+    previous ubatch registered for this one, once each; True if any ran.
+
+    An exception propagates with a note naming the ubatch that registered the hook; the
+    hooks after it stay pending (a later call runs them). Outside an overlap: False.
+    """
     run, ubatch_id = _run_and_id()
     return False if run is None else run.maybe_run_recv_hook(ubatch_id)

@@ -87,7 +87,7 @@ def test_emulated_link_overlaps_on_the_comm_stream() -> None:
 
 
 def test_a_recv_hook_kernel_is_ordered_before_its_owner_reads() -> None:
-    # Ubatch 0's receive runs in ubatch 1's thread (on ubatch 1's stream) and is slow;
+    # Ubatch 0's receive runs in ubatch 1's thread (on ubatch 0's comm stream) and is slow;
     # ubatch 0 then reads the buffer on its own stream and must see the received data.
     received = [torch.zeros(1 << 20, device="cuda") for _ in range(2)]
 

@@ -1,18 +1,18 @@
 """Recv hooks: a ubatch registers a receive that the next ubatch runs; pending hooks run
-before the overlap returns; a failing hook fails the overlap and names its owner; the
-owner's streams wait for what its hooks enqueued."""
+before the overlap returns, those for a ubatch that has returned for a bounded number of
+rounds; a failing hook fails the overlap and names its owner; a hook runs after its send
+and the owner's streams wait for what it enqueued."""
 
 from __future__ import annotations
 
-import threading
-import time
+from typing import Any
 
 import pytest
 import torch
 
 import dbo
 from dbo._context import current_context
-from dbo._run import OverlapRun, UBatchStreams
+from dbo._run import _MAX_RECV_HOOK_ROUNDS, OverlapRun, UBatchStreams
 from dbo.device import CpuBackend, CpuEvent, CpuStream
 
 TIMEOUT_S = 30.0
@@ -169,179 +169,188 @@ def test_a_hook_registered_by_a_hook_run_for_a_finished_ubatch_still_runs(
     assert ran == ["first", "second"]
 
 
-def test_a_hook_that_keeps_registering_itself_for_a_finished_ubatch_raises(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("num_ubatches", [1, 2, 3])
+def test_a_hook_that_keeps_registering_itself_for_a_returned_ubatch_fails_after_the_bound(
+    num_ubatches: int,
 ) -> None:
-    """A hook that keeps registering itself for a ubatch that has returned (a poller that
-    never stops) fails the run after a bounded time."""
-    from dbo import _run
-
-    monkeypatch.setattr(_run, "_HOOK_POLL_LIMIT_S", 0.2)
+    """A hook that keeps registering itself for a ubatch that has returned (a poll that
+    never ends) runs `_MAX_RECV_HOOK_ROUNDS` times at the end of the ubatch that
+    registered it, then fails the run with the fix, instead of hanging it; one ubatch
+    is its own target."""
     runs: list[int] = []
 
     def poll() -> None:
-        runs.append(1)
+        runs.append(dbo.current_ubatch_id())
         dbo.register_recv_hook(poll)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        if dbo.current_ubatch_id() == 1:
+        if dbo.current_ubatch_id() == num_ubatches - 1:
             dbo.register_recv_hook(poll)  # for ubatch 0, which has already returned
         return x
 
-    with pytest.raises(RuntimeError, match="kept registering new hooks"):
-        _overlap(fn)(torch.zeros(2))
-    assert len(runs) > 1
+    with pytest.raises(RuntimeError, match="ubatch 0, which has returned, kept registering"
+                       ) as raised:
+        _overlap(fn, num_ubatches=num_ubatches)(torch.zeros(num_ubatches))
+    assert "wait for it" in str(raised.value)
+    assert runs == [num_ubatches - 1] * _MAX_RECV_HOOK_ROUNDS
     assert _overlap(lambda t: t + 1)(torch.zeros(2)).tolist() == [1.0, 1.0]  # usable
 
 
-def test_a_hook_that_polls_until_its_receive_completes_finishes() -> None:
-    done = threading.Event()
-    threading.Timer(0.02, done.set).start()  # the receive completes a little later
-    polls: list[int] = []
+def test_a_receive_in_as_many_stages_as_the_bound_allows_completes() -> None:
+    """A hook that registers its next stage until its receive lands finishes when it
+    lands within `_MAX_RECV_HOOK_ROUNDS` rounds, all of them in the registering ubatch."""
+    stages: list[int] = []
 
-    def poll() -> None:
-        polls.append(1)
-        if not done.is_set():
-            dbo.register_recv_hook(poll)
+    def stage() -> None:
+        stages.append(dbo.current_ubatch_id())
+        if len(stages) < _MAX_RECV_HOOK_ROUNDS:  # the receive lands at the last stage
+            dbo.register_recv_hook(stage)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         if dbo.current_ubatch_id() == 1:
-            dbo.register_recv_hook(poll)
-        return x
+            dbo.register_recv_hook(stage)  # for ubatch 0, which has already returned
+        return x * 2
 
-    _overlap(fn)(torch.zeros(2))
-    assert done.is_set() and len(polls) > 1
+    assert _overlap(fn)(torch.ones(2)).tolist() == [2.0, 2.0]
+    assert stages == [1] * _MAX_RECV_HOOK_ROUNDS
 
 
-def test_a_returned_ubatchs_own_hooks_are_not_under_the_polling_limit(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A returned ubatch runs the hooks the other one keeps registering for it, one per
-    step of the other: that is progress, not polling, and has no time limit."""
-    from dbo import _run
-
-    monkeypatch.setattr(_run, "_HOOK_POLL_LIMIT_S", 0.2)
-    ran: list[int] = []
+def test_a_returned_ubatch_runs_every_hook_the_previous_one_registers_as_it_goes() -> None:
+    """A returned ubatch runs the hooks the previous ubatch keeps registering for it,
+    one per step of that ubatch: that is the program's progress, and more of them than
+    `_MAX_RECV_HOOK_ROUNDS` run."""
+    steps = _MAX_RECV_HOOK_ROUNDS + 5
+    ran: list[tuple[int, int]] = []
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         if dbo.current_ubatch_id() == 0:
-            for step in range(4):
-                dbo.register_recv_hook(lambda step=step: (ran.append(step), dbo.yield_()))
+            for step in range(steps):
+                dbo.register_recv_hook(
+                    lambda step=step: (ran.append((step, dbo.current_ubatch_id())), dbo.yield_())
+                )
                 dbo.yield_()
-                time.sleep(0.1)  # 4 steps: twice the limit in all
         return x
 
-    dbo.overlap(fn, timeout_s=30)(torch.zeros(2))
-    assert ran == [0, 1, 2, 3]
+    _overlap(fn)(torch.zeros(2))
+    assert ran == [(step, 1) for step in range(steps)]
 
 
 # ----------------------------------------------------------------------- stream order
 
 
-def test_a_recv_hook_runs_on_its_owners_comm_stream() -> None:
-    # The hook of ubatch 1 runs in ubatch 0's thread, on ubatch 1's comm stream, ordered
-    # after ubatch 1's compute stream (where ubatch 1 is parked), not after ubatch 0's
-    # work; ubatch 1's compute stream then waits for what the hook enqueued.
+class _Recording(CpuBackend):
+    """Logs each event recorded (its stream) and each wait (waiting stream, event's stream)."""
 
-    log: list[tuple[str, str, str]] = []
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, ...]] = []
 
-    class RecordingBackend(CpuBackend):
-        def record_event(self, stream: CpuStream) -> CpuEvent:
-            log.append(("record", stream.name, ""))
-            return super().record_event(stream)
+    def record_event(self, stream: CpuStream) -> CpuEvent:
+        self.log.append(("record", stream.name))
+        return super().record_event(stream)
 
-        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
-            log.append(("wait", stream.name, event.stream.name))
-            super().wait_event(stream, event)
+    def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
+        self.log.append(("wait", stream.name, event.stream.name))
+        super().wait_event(stream, event)
 
-    backend = RecordingBackend()
-    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in (0, 1)]
-    run = OverlapRun(2, backend, streams, owner=None)
-    received: list[str] = []
-    run.register_recv_hook(1, lambda: received.append(backend.current_stream().name))
-    backend.set_current_stream(streams[0].comm)  # ubatch 0's thread, on its comm stream
+    def waits(self) -> list[tuple[str, ...]]:
+        return [entry[1:] for entry in self.log if entry[0] == "wait"]
+
+
+def _run_of(num_ubatches: int) -> tuple[OverlapRun, _Recording, list[UBatchStreams]]:
+    backend = _Recording()
+    streams = [
+        UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in range(num_ubatches)
+    ]
+    return OverlapRun(num_ubatches, backend, streams, owner=None), backend, streams
+
+
+def _register_on(run: OverlapRun, stream: CpuStream, ubatch_id: int, hook: Any) -> None:
+    """`ubatch_id` registers `hook` while `stream` is its thread's current stream."""
+    run.backend.set_current_stream(stream)
     try:
-        assert run.maybe_run_recv_hook(0)
+        run.register_recv_hook(ubatch_id, hook)
     finally:
-        backend.set_current_stream(backend._default)
+        run.backend.set_current_stream(run.backend._default)  # type: ignore[attr-defined]
+
+
+def _run_on(run: OverlapRun, stream: CpuStream, ubatch_id: int, **options: Any) -> bool:
+    """`ubatch_id`'s thread, on `stream`, runs the hooks pending for it."""
+    run.backend.set_current_stream(stream)
+    try:
+        return run.maybe_run_recv_hook(ubatch_id, **options)
+    finally:
+        run.backend.set_current_stream(run.backend._default)  # type: ignore[attr-defined]
+
+
+def test_a_recv_hook_runs_on_its_owners_comm_stream() -> None:
+    """The hook of ubatch 1 runs in ubatch 0's thread, on ubatch 1's comm stream, after
+    the event recorded on ubatch 1's stream when it registered the hook (not after
+    ubatch 0's work); ubatch 1's compute stream then waits for what the hook enqueued."""
+    run, backend, streams = _run_of(2)
+    received: list[str] = []
+    _register_on(run, streams[1].compute, 1, lambda: received.append(
+        backend.current_stream().name
+    ))
+    assert _run_on(run, streams[0].comm, 0)
     assert received == ["comm1"]
-    assert log == [
-        ("record", "compute1", ""), ("wait", "comm1", "compute1"),  # before the hook
-        ("record", "comm1", ""), ("wait", "compute1", "comm1"),  # after it
+    assert backend.log == [
+        ("record", "compute1"),  # at registration: the send
+        ("wait", "comm1", "compute1"),  # before the hook
+        ("record", "comm1"), ("wait", "compute1", "comm1"),  # after it
     ]  # fmt: skip
 
 
-def test_a_hook_run_by_its_own_ubatch_needs_no_event() -> None:
-    events: list[object] = []
-
-    class CountingBackend(CpuBackend):
-        def record_event(self, stream: CpuStream) -> object:
-            events.append(stream)
-            return super().record_event(stream)
-
-    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in (0, 1)]
-    run = OverlapRun(2, CountingBackend(), streams, owner=None)
-    run.register_recv_hook(0, lambda: None)  # for ubatch 1, which has already finished
-    assert run.maybe_run_recv_hook(1, running=0)
-    assert events == []
+def test_a_hook_run_by_its_own_ubatch_stays_on_its_stream_after_its_send() -> None:
+    """A hook its own ubatch runs (its target has returned) goes to the thread's current
+    stream, ordered after the stream it was registered on; nothing of the returned
+    ubatch's streams is used."""
+    run, backend, streams = _run_of(2)
+    received: list[str] = []
+    _register_on(run, streams[0].comm, 0, lambda: received.append(
+        backend.current_stream().name
+    ))  # for ubatch 1, which has returned
+    assert _run_on(run, streams[0].compute, 1, running=0)
+    assert received == ["compute0"]
+    assert backend.log == [("record", "comm0"), ("wait", "compute0", "comm0")]
 
 
 def test_a_two_stage_hook_runs_both_stages_on_its_first_owners_comm_stream() -> None:
     """A stage a hook registers belongs to that hook's owner: with 3 ubatches, both
-    stages, each run in another thread, go to the owner's comm stream, and the owner's
-    compute stream waits for each."""
+    stages, each run in another thread, go to the owner's comm stream, the second after
+    the first, the owner's compute stream waits for each, and no stream of ubatch 1 or 2
+    waits for anything."""
+    run, backend, streams = _run_of(3)
+    ran_on: list[str] = []
 
-    waits: list[tuple[str, str]] = []
-
-    class RecordingBackend(CpuBackend):
-        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
-            waits.append((stream.name, event.stream.name))
-            super().wait_event(stream, event)
-
-    backend = RecordingBackend()
-    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in range(3)]
-    run = OverlapRun(3, backend, streams, owner=None)
+    def stage_two() -> None:  # runs in ubatch 2's thread
+        ran_on.append(backend.current_stream().name)
 
     def stage_one() -> None:  # runs in ubatch 1's thread
-        run.register_recv_hook(1, lambda: None)  # its second stage, as dbo.register_recv_hook
+        ran_on.append(backend.current_stream().name)
+        run.register_recv_hook(1, stage_two)  # as dbo.register_recv_hook in ubatch 1
 
-    run.register_recv_hook(0, stage_one)
-    try:
-        backend.set_current_stream(streams[1].compute)
-        assert run.maybe_run_recv_hook(1)
-        backend.set_current_stream(streams[2].compute)
-        assert run.maybe_run_recv_hook(2)  # the second stage, in the next thread
-    finally:
-        backend.set_current_stream(backend._default)
-    assert waits == [
+    _register_on(run, streams[0].compute, 0, stage_one)
+    assert _run_on(run, streams[1].compute, 1)
+    assert _run_on(run, streams[2].compute, 2)  # the second stage, in the next thread
+    assert ran_on == ["comm0", "comm0"]
+    assert backend.waits() == [
         ("comm0", "compute0"), ("compute0", "comm0"),  # around stage one
-        ("comm0", "compute0"), ("compute0", "comm0"),  # around stage two
+        ("comm0", "comm0"), ("compute0", "comm0"),  # stage two: after stage one
     ]  # fmt: skip
 
 
 def test_the_hooks_that_ran_before_a_failing_one_still_order_their_owners_streams() -> None:
-    waits: list[tuple[str, str]] = []
-
-    class RecordingBackend(CpuBackend):
-        def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
-            waits.append((stream.name, event.stream.name))
-            super().wait_event(stream, event)
-
     def fail() -> None:
         raise ValueError("receive failed")
 
-    backend = RecordingBackend()
-    streams = [UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in (0, 1)]
-    run = OverlapRun(2, backend, streams, owner=None)
-    run.register_recv_hook(0, lambda: None)  # a receive that completes
-    run.register_recv_hook(0, fail)
-    try:
-        backend.set_current_stream(streams[1].compute)
-        with pytest.raises(ValueError):
-            run.maybe_run_recv_hook(1)
-    finally:
-        backend.set_current_stream(backend._default)
-    assert waits == [("comm0", "compute0"), ("compute0", "comm0")] * 2  # both hooks
+    run, backend, streams = _run_of(2)
+    _register_on(run, streams[0].compute, 0, lambda: None)  # a receive that completes
+    _register_on(run, streams[0].compute, 0, fail)
+    with pytest.raises(ValueError, match="receive failed") as raised:
+        _run_on(run, streams[1].compute, 1)
+    assert raised.value.__notes__ == ["in a recv hook registered by ubatch 0"]
+    assert backend.waits() == [("comm0", "compute0"), ("compute0", "comm0")] * 2  # both hooks
 
 
 def test_a_hook_after_another_ubatchs_hook_runs_on_its_own_ubatchs_stream() -> None:

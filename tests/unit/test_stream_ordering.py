@@ -125,7 +125,7 @@ def test_a_recv_hook_whose_owner_has_ended_runs_on_the_running_ubatchs_stream_af
 ) -> None:
     """Ubatch 0 has returned (the caller's stream joins its streams already): its hook,
     run by ubatch 1, goes to ubatch 1's stream, which the caller joins later, after
-    that stream waits for ubatch 0's join events."""
+    that stream waits for the event recorded when ubatch 0 registered the hook."""
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         backend = _backend()
@@ -136,11 +136,34 @@ def test_a_recv_hook_whose_owner_has_ended_runs_on_the_running_ubatchs_stream_af
         return x
 
     dbo.overlap(fn)(torch.zeros(2))
-    joined, hook = log.index(("record", "comm0")), log.index(("hook", "compute1"))
-    assert joined < hook and log[hook - 2 : hook] == [
-        ("wait", "compute1", "compute0"), ("wait", "compute1", "comm0"),
-    ]  # fmt: skip
+    sent, joined = log.index(("record", "compute0")), log.index(("record", "comm0"))
+    hook = log.index(("hook", "compute1"))
+    assert sent < joined < hook and log[hook - 1] == ("wait", "compute1", "compute0")
     assert not [entry for entry in log[joined + 1 :] if entry[1].endswith("0")]
+
+
+def test_a_recv_hook_registered_on_a_side_stream_runs_after_it(
+    log: list[tuple[str, ...]],
+) -> None:
+    """Inside `with torch.cuda.stream(side):` the send was enqueued on `side`: the hook,
+    on its owner's comm stream, waits for `side`, not for the compute stream."""
+    seen: list[str] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        backend = _backend()
+        if dbo.current_ubatch_id() == 0:
+            backend.set_current_stream(CpuStream("side0"))  # as torch.cuda.stream(side)
+            dbo.register_recv_hook(lambda: seen.append(backend.current_stream().name))
+            dbo.yield_()
+        else:
+            dbo.maybe_run_recv_hook()  # while ubatch 0 is parked on side0
+        return x
+
+    dbo.overlap(fn)(torch.zeros(2))
+    assert seen == ["comm0"]
+    hook_waits = log[log.index(("record", "side0")) + 1 :]
+    assert ("wait", "comm0", "side0") in hook_waits
+    assert ("wait", "comm0", "compute0") not in hook_waits
 
 
 # ------------------------------------------------------------ streams across runners
