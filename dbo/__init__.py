@@ -26,6 +26,7 @@ from dbo._pool import close_default_runners
 from dbo.api import (
     at_ubatch_exit,
     backward_state,
+    blocking_wait,
     current_stream,
     current_ubatch_id,
     enabled,
@@ -48,7 +49,7 @@ from dbo.runner import RunnerState, UBatchRunner, wait_at_exit
 from dbo.split import default_merge, default_split, merge_parts
 from dbo.stateful import register_split_rule
 from dbo.token_split import TokenSplit, balanced_token_split
-from dbo.tracing import Trace, blocking_wait, trace
+from dbo.tracing import Trace, trace
 
 __all__ = [
     "MAX_NUM_UBATCHES", "OverlapGraph", "OverlapTimeoutError", "RunnerState", "TokenSplit",

@@ -7,9 +7,14 @@ same model code runs with or without DBO.
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from dbo import tracing
 from dbo._context import _state, current_context
 
 if TYPE_CHECKING:
@@ -203,3 +208,23 @@ def maybe_run_recv_hook() -> bool:
     """
     run, ubatch_id = _run_and_id()
     return False if run is None else run.maybe_run_recv_hook(ubatch_id)
+
+
+def blocking_wait(wait: Callable[..., Any], name: str, *args: Any) -> Any:
+    """`wait(*args)`, recorded as a span "wait <name>" (time blocked: communication not
+    hidden) on the calling thread's ubatch track, the caller's outside an overlap, when a
+    `dbo.trace()` records, and as a `torch.profiler` range when one profiles; nothing
+    more otherwise. For library code that waits for communication (`comm` does)."""
+    recording, profiling = tracing._active, torch.autograd.profiler._is_profiler_enabled
+    if recording is None and not profiling:
+        return wait(*args)
+    context = current_context()
+    track = context.ubatch_id if context is not None else tracing.CALLER
+    start = time.perf_counter()
+    profile_range = tracing.begin_range(track, f"wait {name}") if profiling else None
+    try:
+        return wait(*args)
+    finally:
+        tracing.end_range(profile_range)
+        if recording is not None:  # interned: up to a million spans share one label
+            recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())

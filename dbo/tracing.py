@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-
-from dbo._context import current_context
 
 CALLER = -1
 """The `ubatch_id` of spans recorded outside a ubatch thread (the caller's thread)."""
@@ -239,26 +236,6 @@ def reset_after_fork() -> None:
 def active() -> Trace | None:
     """The trace being recorded in this process, if any."""
     return _active
-
-
-def blocking_wait(wait: Callable[..., Any], name: str, *args: Any) -> Any:
-    """`wait(*args)`, recorded as a span "wait <name>" (time blocked: communication not
-    hidden) on the calling thread's ubatch track, the caller's outside an overlap, when a
-    `dbo.trace()` records, and as a `torch.profiler` range when one profiles; nothing
-    more otherwise. For library code that waits for communication (`comm` does)."""
-    recording, profiling = _active, torch.autograd.profiler._is_profiler_enabled
-    if recording is None and not profiling:
-        return wait(*args)
-    context = current_context()
-    track = context.ubatch_id if context is not None else CALLER
-    start = time.perf_counter()
-    profile_range = begin_range(track, f"wait {name}") if profiling else None
-    try:
-        return wait(*args)
-    finally:
-        end_range(profile_range)
-        if recording is not None:  # interned: up to a million spans share one label
-            recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())
 
 
 @contextmanager
