@@ -110,7 +110,7 @@ def main() -> None:
     print()
     show_stats("final")
     print("\nDone: after warmup and lock, the hot path reuses the same memory every step.")
-    print("(Set DBO_DEBUG_WORKSPACE=1 to log every resize, lock and unlock.)")
+    print("(logging.basicConfig(level=logging.DEBUG) logs every resize, lock and unlock.)")
     RUNNER.close()
 
 

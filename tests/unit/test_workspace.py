@@ -1155,19 +1155,16 @@ def test_init_without_a_slot_count_adopts_the_existing_manager(
 
 
 # --------------------------------------------------------------------------------- stats
-def test_stats_fields_and_top_call_sites() -> None:
+def test_stats_fields() -> None:
     manager = WorkspaceManager("cpu", num_ubatches=2)
     fresh = manager.stats()
     assert fresh.capacity_bytes == 0
     assert fresh.realized_bytes_per_slot == (0, 0)
     assert fresh.num_resizes == 0 and fresh.num_allocations == 0
-    assert fresh.locked is False and fresh.top_call_sites == ()
+    assert fresh.locked is False
 
-    small_line = _next_line()
     manager.get_simultaneous(((1000,), torch.uint8))
-    big_line = _next_line()
     manager.get_simultaneous(((10, 1000), torch.float32), ((5,), torch.int64))
-    middle_line = _next_line()
     manager.get_simultaneous(((5000,), torch.uint8))
 
     stats = manager.stats()
@@ -1176,66 +1173,24 @@ def test_stats_fields_and_top_call_sites() -> None:
     assert stats.realized_bytes_per_slot == (big, 0)
     assert stats.num_resizes == 2
     assert stats.num_allocations == 2
-    function = "test_stats_fields_and_top_call_sites"
-    sites = [site for site, _ in stats.top_call_sites]
-    sizes = [size for _, size in stats.top_call_sites]
-    assert sizes == sorted(sizes, reverse=True)
-    assert len(sites) == 3
-    assert sites[0].endswith(f"{THIS_FILE}:{big_line}:{function}")
-    assert sites[1].endswith(f"{THIS_FILE}:{middle_line}:{function}")
-    assert sites[2].endswith(f"{THIS_FILE}:{small_line}:{function}")
-    assert sizes == [big, _round_up(5000), _round_up(1000)]
-
-
-def test_top_call_sites_keeps_the_five_largest() -> None:
-    manager = WorkspaceManager("cpu")
-    first_line = _next_line()
-    manager.get_simultaneous(((1 * 1024,), torch.uint8))
-    manager.get_simultaneous(((7 * 1024,), torch.uint8))
-    manager.get_simultaneous(((2 * 1024,), torch.uint8))
-    manager.get_simultaneous(((6 * 1024,), torch.uint8))
-    manager.get_simultaneous(((3 * 1024,), torch.uint8))
-    manager.get_simultaneous(((5 * 1024,), torch.uint8))
-    manager.get_simultaneous(((4 * 1024,), torch.uint8))
-    manager.get_simultaneous(((1 * 1024,), torch.uint8))  # a repeat, seen before: not recorded
-    top = manager.stats().top_call_sites
-    assert [size for _, size in top] == [k * 1024 for k in (7, 6, 5, 4, 3)]
-    offsets = {7: 1, 6: 3, 5: 5, 4: 6, 3: 4}
-    for (site, size), k in zip(top, (7, 6, 5, 4, 3), strict=True):
-        expected = (
-            f"{THIS_FILE}:{first_line + offsets[k]}:test_top_call_sites_keeps_the_five_largest"
-        )
-        assert site.endswith(expected), (site, size)
-
-
-def test_call_site_stats_stay_bounded() -> None:
-    # Generated code (FX, torch.compile) can make a new call site per recompilation.
-    manager = WorkspaceManager("cpu")
-    for index in range(300):
-        code = compile("m.get_simultaneous(((n,), torch.uint8))", f"<generated-{index}>", "exec")
-        exec(code, {"m": manager, "n": (index + 1) * ALIGNMENT_BYTES, "torch": torch})
-    top = manager.stats().top_call_sites
-    assert [site.split(":")[0] for site, _ in top][:2] == ["<generated-299>", "<generated-298>"]
-    assert len(manager._call_site_bytes) <= 64
+    manager.lock()
+    assert manager.stats().locked and manager.stats().realized_bytes_per_slot == (big, big)
 
 
 
 # ----------------------------------------------------------------------------- debug log
 RESIZE_LINE = re.compile(
-    r"^\[workspace\] resized from '(?P<site>[^']+)': "
-    r"(?P<old>\d+\.\d\d) MB -> (?P<new>\d+\.\d\d) MB "
-    r"\((?P<slots>\d+) slots, (?P<total>\d+\.\d\d) MB total\)$"
+    r"^resized from '(?P<site>[^']+)': (?P<old>\d+\.\d\d) MB -> (?P<new>\d+\.\d\d) MB per slot$"
 )
 
 
 @pytest.fixture
-def debug_logging(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """DBO_DEBUG_WORKSPACE on, and the workspace logger's INFO records in `caplog`."""
-    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
-    caplog.set_level(logging.INFO, logger="workspace")
+def debug_logging(caplog: pytest.LogCaptureFixture) -> None:
+    """The workspace logger's DEBUG records in `caplog` (the level is restored after)."""
+    caplog.set_level(logging.DEBUG, logger="workspace")
 
 
-def test_debug_env_logs_resize_lock_and_unlock(
+def test_resize_lock_and_unlock_are_logged_at_debug_level(
     debug_logging: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     manager = WorkspaceManager("cpu", num_ubatches=2)
@@ -1245,33 +1200,20 @@ def test_debug_env_logs_resize_lock_and_unlock(
     manager.lock()
     manager.unlock()
 
-    messages = [r.getMessage() for r in caplog.records if r.name == "workspace"]
-    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "workspace")
+    records = [r for r in caplog.records if r.name == "workspace"]
+    assert all(r.levelno == logging.DEBUG for r in records)
+    messages = [r.getMessage() for r in records]
     assert len(messages) == 3, messages
     match = RESIZE_LINE.match(messages[0])
     assert match is not None, messages[0]
-    site = f"{THIS_FILE}:{line}:test_debug_env_logs_resize_lock_and_unlock"
+    site = f"{THIS_FILE}:{line}:test_resize_lock_and_unlock_are_logged_at_debug_level"
     assert match["site"].endswith(site), match["site"]
-    assert (match["old"], match["new"], match["slots"], match["total"]) == (
-        "0.00",
-        "12.50",
-        "2",
-        "25.00",
-    )
-    assert messages[0].endswith(": 0.00 MB -> 12.50 MB (2 slots, 25.00 MB total)")
-    assert messages[1] == "[workspace] locked at 12.50 MB per slot (2 slots, 25.00 MB total)"
-    assert messages[2] == "[workspace] unlocked at 12.50 MB per slot"
+    assert (match["old"], match["new"]) == ("0.00", "12.50")
+    assert messages[1:] == ["locked at 12.50 MB per slot", "unlocked at 12.50 MB per slot"]
 
 
-@pytest.mark.parametrize("value", [None, "", "0", "false", "False", "no", "off"])
-def test_no_debug_log_without_the_env_var(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str | None
-) -> None:
-    if value is None:
-        monkeypatch.delenv("DBO_DEBUG_WORKSPACE", raising=False)
-    else:
-        monkeypatch.setenv("DBO_DEBUG_WORKSPACE", value)
-    caplog.set_level(logging.DEBUG, logger="workspace")
+def test_nothing_is_logged_above_debug_level(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="workspace")
     manager = WorkspaceManager("cpu", num_ubatches=2)
     manager.get_simultaneous(((MiB,), torch.uint8))
     manager.lock()
@@ -1281,10 +1223,7 @@ def test_no_debug_log_without_the_env_var(
     assert [r for r in caplog.records if r.name == "workspace"] == []  # ...nothing was logged
 
 
-def test_a_logging_handler_may_read_stats(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
+def test_a_logging_handler_may_read_stats(debug_logging: None) -> None:
     manager = WorkspaceManager("cpu")
     seen: list[int] = []
 
@@ -1332,31 +1271,3 @@ def test_each_resize_is_logged_once_when_two_slots_grow_at_once(
     assert errors == [] and not any(thread.is_alive() for thread in threads)
     resizes = [r for r in caplog.records if "resized" in r.getMessage()]
     assert len(resizes) == manager.stats().num_resizes
-
-
-def test_the_debug_log_goes_to_stderr_until_the_program_configures_logging(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from workspace import manager as manager_module
-
-    monkeypatch.setenv("DBO_DEBUG_WORKSPACE", "1")
-    root = logging.getLogger()
-    monkeypatch.setattr(root, "handlers", [])  # a program that configured nothing
-    ours = manager_module.logger
-    monkeypatch.setattr(ours, "handlers", [])
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    level = ours.level
-    try:
-        manager_module._debug_log("first %d", 1)
-        assert capsys.readouterr().err == "first 1\n"
-        root.addHandler(Collect())  # the program calls logging.basicConfig(...) now
-        manager_module._debug_log("second")
-        assert records == ["second"]  # through logging, and only there
-        assert capsys.readouterr().err == ""
-    finally:
-        ours.setLevel(level)  # _debug_log lowers it to INFO
