@@ -14,20 +14,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-NOT_INITIALIZED_MESSAGE = (
-    "torch.distributed is not initialized; call comm.init_distributed() first (under "
-    "torchrun, e.g. `torchrun --nproc-per-node 2 your_script.py`), or "
-    "comm.init_distributed(allow_single_process=True) for a world of one process"
-)
-
 
 class GroupFacts(NamedTuple):
     """What every collective asks of its process group, read once per group."""
 
-    size: int
-    """`group.size()`."""
-    is_nccl: bool
-    """Whether `group.name()` is nccl (also for backend "cpu:gloo,cuda:nccl")."""
+    size: int  # group.size()
+    is_nccl: bool  # group.name() is nccl (also for backend "cpu:gloo,cuda:nccl")
 
 
 _known: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupFacts] = weakref.WeakKeyDictionary()
@@ -60,49 +52,39 @@ def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
         facts = _known.get(key)
         if facts is not None and (group is None or _still_registered(key)):
             return key, facts
-    resolved = _resolve_slowly(group)
-    facts = GroupFacts(resolved.size(), backend_is_nccl(resolved))
-    _known[resolved] = facts
-    return resolved, facts
-
-
-def _resolve_slowly(group: Any) -> dist.ProcessGroup:
     if not _DIST_AVAILABLE or not dist.is_initialized():
-        raise RuntimeError(NOT_INITIALIZED_MESSAGE)
+        raise RuntimeError(
+            "torch.distributed is not initialized; call comm.init_distributed() first (under "
+            "torchrun, e.g. `torchrun --nproc-per-node 2 your_script.py`), or "
+            "comm.init_distributed(allow_single_process=True) for a world of one process"
+        )
     if group is None:
-        world = dist.group.WORLD
-        assert isinstance(world, dist.ProcessGroup), "an initialized world has a default group"
-        return world
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        group = dist.group.WORLD
+        assert isinstance(group, dist.ProcessGroup), "an initialized world has a default group"
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
             f"this rank ({dist.get_rank()}) is not a member of the group (new_group returned "
             "GroupMember.NON_GROUP_MEMBER here); call the collective only on its members"
         )
-    if not isinstance(group, dist.ProcessGroup):
+    elif not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    if dist.get_rank(group) < 0:
+    elif dist.get_rank(group) < 0:
         raise ValueError(
             f"this rank ({dist.get_rank()}) is not a member of the group {group.group_name!r} "
             f"(ranks {dist.get_process_group_ranks(group)}); call the collective only on its "
             "members"
         )
-    return group
+    facts = GroupFacts(group.size(), backend_is_nccl(group))
+    _known[group] = facts
+    return group, facts
 
 
 def require_tensor(name: str, value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
-
-
-def require_same_dtype(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
-    if a.dtype != b.dtype:
-        raise TypeError(
-            f"{name_a} and {name_b} must have the same dtype, got {a.dtype} and {b.dtype}; "
-            f"convert one with .to({a.dtype})"
-        )
 
 
 def require_same_device(name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -122,8 +104,13 @@ def require_contiguous(name: str, tensor: torch.Tensor, any_memory_format: bool 
             f"tensors: pass {name}.to_dense(), or call torch.distributed directly (gloo "
             "all-reduces sparse COO tensors)"
         )
-    if not tensor.is_contiguous() and not (
-        any_memory_format and _channels_last_contiguous(tensor)
+    if tensor.is_contiguous():
+        return
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(tensor.dim())
+    if not (
+        any_memory_format
+        and channels_last is not None
+        and tensor.is_contiguous(memory_format=channels_last)
     ):
         raise ValueError(
             f"{name} must be contiguous (shape {tuple(tensor.shape)}, stride "
@@ -132,19 +119,19 @@ def require_contiguous(name: str, tensor: torch.Tensor, any_memory_format: bool 
         )
 
 
-def _channels_last_contiguous(tensor: torch.Tensor) -> bool:
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    memory_format = formats.get(tensor.dim())
-    return memory_format is not None and tensor.is_contiguous(memory_format=memory_format)
-
-
 def backend_is_nccl(group: dist.ProcessGroup) -> bool:
     return group.name().lower() == "nccl"
 
 
-def require_backend_device(group: dist.ProcessGroup, name: str, tensor: torch.Tensor) -> None:
+def runs_on_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+    """Whether NCCL runs `group`'s collectives on `tensor` (CUDA tensors on a group whose
+    backend is nccl, also "cpu:gloo,cuda:nccl")."""
+    return tensor.is_cuda and backend_is_nccl(group)
+
+
+def require_backend_device(name: str, tensor: torch.Tensor, is_nccl: bool) -> None:
     """NCCL moves CUDA tensors only; say so before launching rather than inside NCCL."""
-    if not tensor.is_cuda and backend_is_nccl(group):
+    if is_nccl and not tensor.is_cuda:
         raise ValueError(
             f"{name} is on {tensor.device} but the group's backend is nccl, which needs CUDA "
             "tensors; move it with .cuda() or use a gloo group for CPU tensors"
@@ -164,6 +151,44 @@ def require_reduce_op(op: Any, dtype: torch.dtype, is_nccl: bool) -> None:
             "average cannot be written back; reduce with SUM and divide, or use a "
             "floating-point tensor"
         )
+
+
+def check_async_op(async_op: Any) -> bool:
+    if async_op is False or async_op is True:
+        return async_op
+    raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
+
+def check_pair(output: Any, input: Any, is_nccl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`output` and `input` of a two-tensor collective: tensors of one dtype and device,
+    dense and contiguous, on CUDA for NCCL."""
+    # The common case in a few attribute reads (this runs on every collective); anything
+    # else goes through the checks below, which say what is wrong.
+    try:
+        if (
+            isinstance(output, torch.Tensor)
+            and isinstance(input, torch.Tensor)
+            and output.dtype is input.dtype
+            and ((output.is_cpu and input.is_cpu) or output.device == input.device)
+            and output.is_contiguous()
+            and input.is_contiguous()
+            and (input.is_cuda or not is_nccl)
+        ):
+            return output, input
+    except RuntimeError:  # a layout without strides (sparse CSR) refuses is_contiguous()
+        pass
+    output = require_tensor("output", output)
+    input = require_tensor("input", input)
+    if output.dtype != input.dtype:
+        raise TypeError(
+            f"output and input must have the same dtype, got {output.dtype} and "
+            f"{input.dtype}; convert one with .to({output.dtype})"
+        )
+    require_same_device("output", output, "input", input)
+    require_contiguous("output", output)
+    require_contiguous("input", input)
+    require_backend_device("input", input, is_nccl)
+    return output, input
 
 
 def check_split_sizes(
@@ -208,38 +233,6 @@ def check_split_sizes(
     return sizes
 
 
-_STORAGE_TYPES = (torch.Tensor, torch.nn.Parameter)
-"""Tensor types whose `data_ptr()` is their own storage's (the aliasing check)."""
-
-
-def check_pair(
-    output: Any, input: Any, group: dist.ProcessGroup, facts: GroupFacts
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # The common case in a few attribute reads (this runs on every collective); anything
-    # else goes through the checks below, which say what is wrong.
-    try:
-        if (
-            isinstance(output, torch.Tensor)
-            and isinstance(input, torch.Tensor)
-            and output.dtype is input.dtype
-            and ((output.is_cpu and input.is_cpu) or output.device == input.device)
-            and output.is_contiguous()
-            and input.is_contiguous()
-            and (input.is_cuda or not facts.is_nccl)
-        ):
-            return output, input
-    except RuntimeError:  # a layout without strides (sparse CSR) refuses is_contiguous()
-        pass
-    output = require_tensor("output", output)
-    input = require_tensor("input", input)
-    require_same_dtype("output", output, "input", input)
-    require_same_device("output", output, "input", input)
-    require_contiguous("output", output)
-    require_contiguous("input", input)
-    require_backend_device(group, "input", input)
-    return output, input
-
-
 def check_all_to_all(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -253,7 +246,16 @@ def check_all_to_all(
     shape = output.shape
     same_shape = shape == input.shape
     if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
-        _check_rows(output, input)
+        if output.ndim == 0 or input.ndim == 0:
+            raise ValueError(
+                "all_to_all_single needs tensors with a dim 0 (not 0-dim), got shapes "
+                f"{tuple(shape)} (output) and {tuple(input.shape)} (input)"
+            )
+        if shape[1:] != input.shape[1:]:
+            raise ValueError(
+                f"output and input must have the same row shape (all dims but 0), got "
+                f"{tuple(shape)} and {tuple(input.shape)}"
+            )
     if output_split_sizes is None and input_split_sizes is None:
         if same_shape and shape[0] % world_size == 0:
             return None, None  # even splits of equal shapes: the common call
@@ -270,25 +272,12 @@ def check_all_to_all(
     )
 
 
-def _check_rows(output: torch.Tensor, input: torch.Tensor) -> None:
-    """`all_to_all_single` moves rows: both tensors need a dim 0 and one row shape."""
-    if output.ndim == 0 or input.ndim == 0:
-        raise ValueError(
-            "all_to_all_single needs tensors with a dim 0 (not 0-dim), got shapes "
-            f"{tuple(output.shape)} (output) and {tuple(input.shape)} (input)"
-        )
-    if output.shape[1:] != input.shape[1:]:
-        raise ValueError(
-            f"output and input must have the same row shape (all dims but 0), got "
-            f"{tuple(output.shape)} and {tuple(input.shape)}"
-        )
-
-
 def check_no_shared_bytes(output: torch.Tensor, input: torch.Tensor) -> None:
     """ValueError if `output` and `input` (both contiguous) share a byte: received rows
     would overwrite rows not yet sent. Tensors without storage of their own (other
     subclasses, meta: `data_ptr()` 0) and empty ones are left alone."""
-    if type(output) not in _STORAGE_TYPES or type(input) not in _STORAGE_TYPES:
+    plain = (torch.Tensor, torch.nn.Parameter)  # their data_ptr() is their own storage's
+    if type(output) not in plain or type(input) not in plain:
         return
     out_start, in_start = output.data_ptr(), input.data_ptr()
     out_end, in_end = out_start + output.nbytes, in_start + input.nbytes
@@ -312,46 +301,26 @@ def require_world_chunks(
     world_size: int,
 ) -> None:
     """`whole` must hold one `chunk` per rank (all-gather output, reduce-scatter input).
-    NCCL checks only the element counts; every other backend gets only the concatenation
-    along dim 0, [world_size * chunk.shape[0], *chunk.shape[1:]] (gloo rejects the rest
-    inside the launch, and crashes on a 0-dim reduce-scatter output)."""
+    NCCL checks only the element counts; every other backend takes only the
+    concatenation along dim 0, [world_size * chunk.shape[0], *chunk.shape[1:]] (gloo
+    rejects the rest inside the launch, and crashes on a 0-dim reduce-scatter output)."""
     if whole.numel() != world_size * chunk.numel():
         raise ValueError(
             f"{whole_name} must hold world_size * {chunk_name}.numel() = {world_size} * "
             f"{chunk.numel()} = {world_size * chunk.numel()} elements, got shape "
             f"{tuple(whole.shape)} ({whole.numel()} elements)"
         )
-    if runs_on_nccl(group, chunk):
+    concatenation = (world_size * chunk.shape[0], *chunk.shape[1:]) if chunk.ndim else None
+    if whole.shape == concatenation or runs_on_nccl(group, chunk):
         return
-    whole_shape, chunk_shape = whole.shape, chunk.shape
-    if (
-        chunk_shape
-        and len(whole_shape) == len(chunk_shape)
-        and whole_shape[0] == world_size * chunk_shape[0]
-        and whole_shape[1:] == chunk_shape[1:]
-    ):
-        return
-    if chunk_shape:
-        accepted = (world_size * chunk_shape[0], *chunk_shape[1:])
-        fix = f"pass {whole_name}.view({', '.join(map(str, accepted))}) (the same memory)"
+    if concatenation is not None:
+        fix = f"pass {whole_name}.view({', '.join(map(str, concatenation))}) (the same memory)"
     else:
         fix = f"pass {chunk_name}.view(1) and {whole_name}.view({world_size})"
     raise ValueError(
         f"{op} on a {group.name()} group takes only {whole_name} of shape "
         f"[world_size * {chunk_name}.shape[0], *{chunk_name}.shape[1:]] (the concatenation "
         f"along dim 0; {chunk_name} needs at least one dim); got {whole_name} "
-        f"{tuple(whole_shape)} for {chunk_name} {tuple(chunk_shape)} with world_size "
+        f"{tuple(whole.shape)} for {chunk_name} {tuple(chunk.shape)} with world_size "
         f"{world_size}. Other layouts with that many elements are NCCL's only; {fix}"
     )
-
-
-def runs_on_nccl(group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
-    """Whether NCCL runs `group`'s collectives on `tensor` (CUDA tensors on a group whose
-    backend is nccl, also "cpu:gloo,cuda:nccl")."""
-    return tensor.is_cuda and backend_is_nccl(group)
-
-
-def check_async_op(async_op: Any) -> bool:
-    if async_op is False or async_op is True:
-        return async_op
-    raise TypeError(f"async_op must be a bool, got {async_op!r}")

@@ -1,20 +1,19 @@
 """DBO-aware collectives with the torch.distributed signatures.
 
-Outside an overlap each is the plain torch.distributed op (blocking; with
-`async_op=True`, a `CollectiveWork` wrapping torch's `Work`). Inside an overlap a
-blocking call moves to the ubatch's comm stream (CUDA only), launches asynchronously on
-the ubatch's duplicate group (`comm.groups`; else the base group), `record_stream`s its
-CUDA tensors, yields while the transfer is in flight, then waits (CUDA: the stream, not
-the host) and moves back to the compute stream; a caller already on its comm stream
-stays there. With `async_op=True` the launch returns at once on the compute stream and
-the handle's first `wait()` yields, then waits.
+Outside an overlap each is the plain torch.distributed op (with `async_op=True`, a
+`CollectiveWork` wrapping torch's `Work`). Inside an overlap a blocking call moves to the
+ubatch's comm stream (CUDA only), launches asynchronously on the ubatch's duplicate group
+(`comm.groups`; else the base group), `record_stream`s its CUDA tensors, yields exactly
+once, then waits (CUDA: the stream, not the host) and moves back to the compute stream
+(a caller already on its comm stream stays there). With `async_op=True` the launch
+returns at once, on the compute stream, and the handle's first `wait()` yields, then
+waits. The yields never depend on timing, so the launch order depends only on the
+program (do not branch on `is_completed()` inside an overlap).
 
-A blocking call yields exactly once, an async one once at its first `wait()`, whatever
-the timing, so the launch order depends only on the program (do not branch on
-`is_completed()` inside an overlap). Arguments are checked on the host before anything
-is launched (TypeError / ValueError naming the values); a refused call launches nothing,
-and its peers wait until the group's timeout. Split sizes agreeing between ranks cannot
-be checked locally; `comm.moe.dispatch` exchanges counts so that they always do.
+Arguments are checked on the host before anything is launched (TypeError / ValueError
+naming the values): a refused call launches nothing, and its peers wait until the group's
+timeout. Split sizes agreeing between ranks cannot be checked locally; `comm.moe.dispatch`
+exchanges counts so that they always do.
 
 A call on a side stream (`with torch.cuda.stream(side):`) follows `side`'s work and
 `side` follows it, as in torch.distributed. A collective an aborted ubatch never waited
@@ -53,23 +52,24 @@ ReduceOp = dist.ReduceOp
 _registry = group_registry()
 _CudaStream = torch.cuda.Stream
 
-_Launch = Callable[..., Any]
-"""`launch(group, *args, async_op) -> Work | None`: one of the `_launch_*` functions below."""
+# `all_gather_single` / `reduce_scatter_single` are the names since torch 2.13 (the old
+# ones warn); older torch has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CollectiveWork:
     """An in-flight collective launched with `async_op=True`.
 
     `wait()` returns True, as torch's `Work.wait`; inside the launching overlap its first
-    call yields once first. CUDA: the *current* stream waits (not the host). gloo: the
-    host blocks (GIL released). The tensors stay referenced until a wait has ended.
-    Later waits return True at once after a success. A failed wait (a peer's failure,
-    the group's timeout, an abort at the yield) raises the original error, every later
-    wait a RuntimeError (chained to the collective's own error; an abort keeps only its
-    message, since its traceback holds the ubatch's tensors). Only a wait's own `timeout`
-    passing leaves the handle in flight.
-    `get_future()` and `result()` are the underlying `Work`'s (no yield, not a wait). A
-    handle still in flight when its ubatch's function returns is waited then (no yield).
+    call yields once first. CUDA: the *current* stream waits (not the host); gloo: the
+    host blocks (GIL released). The tensors stay referenced until a wait has ended. A
+    failed wait (a peer's failure, the group's timeout, an abort at the yield) raises the
+    original error, every later wait a RuntimeError (chained to the collective's error; an
+    abort keeps only its message, since its traceback holds the ubatch's tensors); only a
+    wait's own `timeout` passing leaves the handle in flight. `get_future()` and `result()`
+    are the `Work`'s (no yield, not a wait). A handle still in flight when its ubatch's
+    function returns is waited then (no yield).
     """
 
     __slots__ = (
@@ -110,12 +110,9 @@ class CollectiveWork:
 
     def wait(self, timeout: timedelta | None = None, *, yield_first: bool = True) -> bool:
         """Yield (first call only, inside the launching overlap, if `yield_first`), wait,
-        return True.
-
-        `timeout`: a `datetime.timedelta` passed to torch's `Work.wait` (None: no limit
-        but the group's timeout). `yield_first=False` waits without letting the other
-        ubatches run first; choose it in the program, never from timing.
-        """
+        return True. `timeout`: a `datetime.timedelta` for torch's `Work.wait` (None: the
+        group's timeout). `yield_first=False` waits without letting the other ubatches run
+        first; choose it in the program, never from timing."""
         if isinstance(self._error, str):
             raise RuntimeError(f"the collective {self._name} was abandoned: {self._error}")
         if self._error is not None:
@@ -197,9 +194,8 @@ def _leave_in_flight(work: Any, nccl: bool) -> None:
 
 class _ExitCell:
     """Holds an async handle for the wait at its ubatch's end until the handle's own
-    wait empties it. The handle refers to its cell weakly, so that a handle dropped by
-    an aborted ubatch (whose exit callbacks never run) is freed, and abandoned, at once
-    rather than by the garbage collector."""
+    wait empties it. The handle refers to its cell weakly, so that a handle an aborted
+    ubatch dropped is freed, and abandoned, at once rather than by the garbage collector."""
 
     __slots__ = ("__weakref__", "handle")
 
@@ -222,29 +218,29 @@ class _ExitCell:
 
 def _run(
     name: str,
-    launch: _Launch,
+    launch: Callable[..., Any],
     args: tuple[Any, ...],
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     async_op: bool,
 ) -> CollectiveWork | None:
-    """Launch a checked collective, `launch(group, *args, async_op)`, DBO-aware inside an
-    overlap (module docstring)."""
+    """Launch a checked collective, `launch(*args, group, async_op)`, DBO-aware inside an
+    overlap (module docstring). `launch` is torch.distributed's public function (its last
+    two parameters are `group` and `async_op`), which checks the arguments again."""
     stream = dbo.current_stream()  # None outside an overlap
     if stream is None:
         if async_op:
-            work = launch(group, *args, True)
+            work = launch(*args, group, True)
             return CollectiveWork(work, tensors, False, name, _on_nccl(group, tensors))
-        dbo.blocking_wait(launch, name, group, *args, False)  # the plain blocking op
+        dbo.blocking_wait(launch, name, *args, group, False)  # the plain blocking op
         return None
-    ubatch_id = dbo.current_ubatch_id()
-    ubatch_group = _registry.lookup(group, ubatch_id, dbo.num_ubatches())
+    ubatch_group = _registry.lookup(group, dbo.current_ubatch_id(), dbo.num_ubatches())
     on_cuda = isinstance(stream, _CudaStream)  # CPU: no stream to move to, nothing to protect
     switched = on_cuda and not dbo.on_comm_stream()
     if switched:
         dbo.switch_to_comm()
     try:
-        work = launch(ubatch_group, *args, True)
+        work = launch(*args, ubatch_group, True)
         if on_cuda:  # keep the caching allocator from reusing them before the comm stream
             comm_stream = dbo.current_stream()
             for tensor in tensors:
@@ -280,22 +276,22 @@ def all_to_all_single(
     """Scatter rows of `input` to the ranks of `group`; gather theirs into `output`.
 
     `input` [sum(input_split_sizes), *row] and `output` [sum(output_split_sizes), *row]:
-    same dtype, device and row shape, contiguous, no byte in common (ValueError). Rows
-    `input[offset_r : offset_r + input_split_sizes[r]]` go to rank r; `output` gets rank
-    r's rows at its offset in `output_split_sizes`, in rank order. Split sizes: one int
-    >= 0 per rank; None means equal parts. `output` is written when the call returns
-    (blocking) or once `wait()` returns (`async_op=True`).
+    same dtype, device and row shape, contiguous, no byte in common (ValueError). Rank r
+    gets the r-th part of `input` (by `input_split_sizes`), and the r-th part of `output`
+    (by `output_split_sizes`) is rank r's. Split sizes: one int >= 0 per rank; None means
+    equal parts. `output` is written when the call returns (blocking) or once `wait()`
+    returns (`async_op=True`).
 
     Outside an overlap: `torch.distributed.all_to_all_single`; inside: module docstring.
     """
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
-    output, input = check_pair(output, input, base, facts)
+    output, input = check_pair(output, input, facts.is_nccl)
     output_splits, input_splits = check_all_to_all(
         output, input, output_split_sizes, input_split_sizes, facts.size
     )
     return _run(
-        "all_to_all_single", _launch_all_to_all_single,
+        "all_to_all_single", dist.all_to_all_single,
         (output, input, output_splits, input_splits), (output, input), base, async_op,
     )
 
@@ -318,9 +314,8 @@ def all_reduce(
     tensor = require_tensor("tensor", tensor)
     require_reduce_op(op, tensor.dtype, facts.is_nccl)
     require_contiguous("tensor", tensor, any_memory_format=True)
-    if facts.is_nccl:
-        require_backend_device(base, "tensor", tensor)
-    return _run("all_reduce", _launch_all_reduce, (tensor, op), (tensor,), base, async_op)
+    require_backend_device("tensor", tensor, facts.is_nccl)
+    return _run("all_reduce", dist.all_reduce, (tensor, op), (tensor,), base, async_op)
 
 
 def all_gather_into_tensor(
@@ -329,26 +324,23 @@ def all_gather_into_tensor(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
 ) -> CollectiveWork | None:
-    """Gather every rank's `input` into `output`, in rank order.
+    """Gather every rank's `input` into `output`: rank r's is the r-th chunk.
 
     `output` holds `world_size * input.numel()` elements, same dtype and device, both
-    contiguous; rank r's input is the r-th chunk of `output`. Every backend takes
-    `input` [n, *rest] with `output` [world_size * n, *rest]; NCCL also any shapes with
-    those element counts (the stack [world_size, n, *rest], a 0-dim `input`), which
-    raise ValueError here on other backends.
+    contiguous. Every backend takes `input` [n, *rest] with `output` [world_size * n,
+    *rest]; NCCL also other shapes with those element counts (the stack, a 0-dim
+    `input`), which raise ValueError here on other backends.
 
-    Outside an overlap: `torch.distributed.all_gather_into_tensor`; inside: module
-    docstring.
+    Outside an overlap: `torch.distributed.all_gather_into_tensor`; inside: module docstring.
     """
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
-    output, input = check_pair(output, input, base, facts)
+    output, input = check_pair(output, input, facts.is_nccl)
     require_world_chunks(
         "all_gather_into_tensor", "output", output, "input", input, base, facts.size
     )
     return _run(
-        "all_gather_into_tensor", _launch_all_gather_into_tensor,
-        (output, input), (output, input), base, async_op,
+        "all_gather_into_tensor", _all_gather, (output, input), (output, input), base, async_op
     )
 
 
@@ -366,30 +358,29 @@ def reduce_scatter_tensor(
     *rest]; NCCL also any shapes with those element counts (the stack, a 0-dim
     `output`), which raise ValueError here on other backends.
 
-    Outside an overlap: `torch.distributed.reduce_scatter_tensor`; inside: module
-    docstring.
+    Outside an overlap: `torch.distributed.reduce_scatter_tensor`; inside: module docstring.
     """
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
-    output, input = check_pair(output, input, base, facts)
+    output, input = check_pair(output, input, facts.is_nccl)
     require_reduce_op(op, input.dtype, facts.is_nccl)
     require_world_chunks(
         "reduce_scatter_tensor", "input", input, "output", output, base, facts.size
     )
     return _run(
-        "reduce_scatter_tensor", _launch_reduce_scatter_tensor,
+        "reduce_scatter_tensor", _reduce_scatter,
         (output, input, op), (output, input), base, async_op,
     )
 
 
 def unchecked_all_to_all_single(
-    output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None,
-    input_split_sizes: list[int] | None, group: dist.ProcessGroup, async_op: bool,
+    output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None, group: dist.ProcessGroup, async_op: bool,
 ) -> CollectiveWork | None:
     """`all_to_all_single` for `comm`'s own callers (`comm.moe`), which made the tensors
     and the split lists themselves and resolved `group` (a ProcessGroup): no checks."""
     return _run(
-        "all_to_all_single", _launch_all_to_all_single,
+        "all_to_all_single", dist.all_to_all_single,
         (output, input, output_split_sizes, input_split_sizes), (output, input), group, async_op,
     )
 
@@ -398,44 +389,7 @@ def unchecked_all_reduce(
     tensor: torch.Tensor, op: Any, group: dist.ProcessGroup, async_op: bool = False
 ) -> CollectiveWork | None:
     """`all_reduce` for `comm`'s own callers, as `unchecked_all_to_all_single`."""
-    return _run("all_reduce", _launch_all_reduce, (tensor, op), (tensor,), group, async_op)
-
-
-# The launches: torch.distributed's public functions, which `comm` checked the arguments
-# of already (they check again; what that costs is in benchmarks/host_overhead.py).
-def _launch_all_to_all_single(
-    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-    output_split_sizes: Sequence[int] | None, input_split_sizes: Sequence[int] | None,
-    async_op: bool,
-) -> Any:
-    return dist.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-    )
-
-
-def _launch_all_reduce(
-    group: dist.ProcessGroup, tensor: torch.Tensor, op: Any, async_op: bool
-) -> Any:
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-
-# `all_gather_single` / `reduce_scatter_single` are the names since torch 2.13 (the old
-# ones warn); older torch has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _launch_all_gather_into_tensor(
-    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, async_op: bool
-) -> Any:
-    return _all_gather(output, input, group=group, async_op=async_op)
-
-
-def _launch_reduce_scatter_tensor(
-    group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor, op: Any,
-    async_op: bool,
-) -> Any:
-    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+    return _run("all_reduce", dist.all_reduce, (tensor, op), (tensor,), group, async_op)
 
 
 def _described(error: BaseException) -> str:

@@ -44,9 +44,12 @@ class _State:
     """What `init_distributed` decided, so that later calls return the same answer."""
 
     device: torch.device | None = None
-    ubatch_groups_done: bool = False
     world: weakref.ref[dist.ProcessGroup] | None = None  # the default group they are about
     worlds_started: int = 0  # over the torchrun store: the next rendezvous prefix
+
+    def is_current(self) -> bool:
+        """Whether `device` and the default group's duplicates are the live world's."""
+        return self.world is not None and self.world() is dist.GroupMember.WORLD
 
 
 _state = _State()
@@ -149,17 +152,16 @@ def init_distributed(
     """
     _check_arguments(backend, timeout_s, num_ubatch_groups)
     if dist.is_initialized():
-        _adopt(backend, device, float(timeout_s))
+        _adopt(backend, device)
     else:
         _init_process_group(backend, device, float(timeout_s), allow_single_process)
-        group_registry().timeout_s = float(timeout_s)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if not _state.ubatch_groups_done:
+    if not _state.is_current():  # a new world, or one started elsewhere: adopt it
+        group_registry().timeout_s = float(timeout_s)
         if num_ubatch_groups > 0 and world_size > 1:
             ubatch_groups(None, num_ubatch_groups)
-        _state.ubatch_groups_done = True
-    world_group = dist.GroupMember.WORLD
-    _state.world = weakref.ref(world_group) if world_group is not None else None
+        world_group = dist.GroupMember.WORLD
+        _state.world = weakref.ref(world_group) if world_group is not None else None
     assert _state.device is not None, "set by the first initialization"
     return rank, world_size, _state.device
 
@@ -188,28 +190,15 @@ def _check_arguments(backend: Any, timeout_s: Any, num_ubatch_groups: Any) -> No
         raise RuntimeError("this torch build has no torch.distributed support")
 
 
-def _adopt(backend: str | None, device: torch.device | str | int | None, timeout_s: float) -> None:
-    """A live world: refuse a call that contradicts it; adopt a world started elsewhere
-    (or again with torch's own calls) with this call's device and timeout."""
-    if _state.world is None or _state.world() is not dist.GroupMember.WORLD:
-        _state.device = None
-        _state.ubatch_groups_done = False
-    _refuse_other_backend(backend)
-    if _state.device is not None:
-        _refuse_other_device(device, backend, _state.device)
-        return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _state.device = _resolve_device(device, str(dist.get_backend()), local_rank)
-    if _state.device.type == "cuda":
-        torch.cuda.set_device(_state.device)
-    group_registry().timeout_s = timeout_s
-
-
 _START_ANOTHER = "call comm.destroy_distributed() on every rank first to start another"
 
 
-def _refuse_other_backend(backend: str | None) -> None:
-    """ValueError if a call on a live world asks for another backend than it has."""
+def _adopt(backend: str | None, device: torch.device | str | int | None) -> None:
+    """A live world: refuse (ValueError) a call that asks for another backend than it has,
+    or another device than the first call chose; for a world started elsewhere (or again
+    with torch's own calls), take this call's device."""
+    if not _state.is_current():
+        _state.device = None
     if backend is not None:
         initialized = str(dist.get_backend()).lower()  # "gloo", or "cpu:gloo,cuda:nccl"
         names = {part.rpartition(":")[2] for part in initialized.split(",")}
@@ -218,20 +207,21 @@ def _refuse_other_backend(backend: str | None) -> None:
                 f"comm.init_distributed(backend={backend!r}): torch.distributed is already "
                 f"initialized with backend {initialized!r}; {_START_ANOTHER}"
             )
-
-
-def _refuse_other_device(
-    device: torch.device | str | int | None, backend: str | None, current: torch.device
-) -> None:
-    """ValueError if a later call asks for another device than the first one chose."""
-    if device is not None:
-        local_rank = current.index if current.type == "cuda" and current.index is not None else 0
-        wanted = _resolve_device(device, backend, local_rank)
-        if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
-            raise ValueError(
-                f"comm.init_distributed(device={device!r}): torch.distributed is already "
-                f"initialized for device {current}; {_START_ANOTHER}"
-            )
+    current = _state.device
+    if current is not None:
+        if device is not None:
+            local_rank = current.index if current.type == "cuda" and current.index else 0
+            wanted = _resolve_device(device, backend, local_rank)
+            if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
+                raise ValueError(
+                    f"comm.init_distributed(device={device!r}): torch.distributed is already "
+                    f"initialized for device {current}; {_START_ANOTHER}"
+                )
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    _state.device = _resolve_device(device, str(dist.get_backend()), local_rank)
+    if _state.device.type == "cuda":
+        torch.cuda.set_device(_state.device)
 
 
 def _init_process_group(
@@ -249,6 +239,7 @@ def _init_process_group(
             f"backend 'nccl' needs a CUDA device, got device={resolved}; use backend='gloo' "
             "for CPU tensors"
         )
+    options: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
     if resolved.type == "cuda":
         count = torch.cuda.device_count()
         if resolved.index is None or resolved.index >= count:
@@ -257,8 +248,6 @@ def _init_process_group(
                 "start at most that many processes per node (torchrun --nproc-per-node)"
             )
         torch.cuda.set_device(resolved)
-    options: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)}
-    if resolved.type == "cuda":
         options["device_id"] = resolved
     if single:
         options["store"] = dist.HashStore()
@@ -271,7 +260,6 @@ def _init_process_group(
         _state.worlds_started += 1
     dist.init_process_group(backend, rank=rank, world_size=world_size, **options)
     _state.device = resolved
-    _state.ubatch_groups_done = False
 
 
 def destroy_distributed() -> None:
@@ -284,5 +272,4 @@ def destroy_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _state.device = None
-    _state.ubatch_groups_done = False
     _state.world = None

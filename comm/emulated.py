@@ -122,9 +122,8 @@ class EmulatedLink:
         if self._cuda_cycles_per_s is None:
             cycles = 10_000_000
             with torch.cuda.device(device):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True
-                )
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 torch.cuda._sleep(cycles)  # warm up
                 start.record()
                 torch.cuda._sleep(cycles)
@@ -135,11 +134,11 @@ class EmulatedLink:
 
 
 def _number(name: str, value: Any) -> float:
-    """`value` as a float (ints, floats, numpy scalars, 0-dim tensors); not bools nor
-    strings."""
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{name} must be a number, got {value!r}")
+    """`value` as a float (ints, floats, numpy scalars, 0-dim tensors); TypeError for
+    anything else, bools and strings included."""
     try:
-        return float(value)
+        if not isinstance(value, (bool, str, bytes)):
+            return float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
+        pass
+    raise TypeError(f"{name} must be a number, got {value!r}")

@@ -11,11 +11,9 @@ collectives on every rank. That needs the same number of ubatches on every rank:
 `dbo.overlap` runs `fn` inline on the base group when a rank's batch is too small, so
 pass `decision_group=`, give every rank the same batch size, or use a `dbo.UBatchRunner`.
 
-Creating a group is a collective over the world: every rank calls `ubatch_groups` the
-same number of times, in the same order, outside any overlap (`init_distributed` does it
-for the default group). Inside an overlap it only returns existing groups, and the
-collectives never create any: without duplicates they use the base group (correct, but
-the ubatches' collectives on it run one after another), and warn once per group.
+Creating groups is a collective over the world (`ubatch_groups`; `init_distributed` does
+it for the default group). Inside an overlap none are created: a collective without
+duplicates uses its base group (correct, but one ubatch after another) and warns once.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ class UBatchGroupRegistry:
     """The duplicate groups created so far, per base group (one per process).
 
     `timeout_s` (set by `init_distributed`; None: torch's default) is the timeout of the
-    default group's duplicates, also in a world initialized elsewhere. A subgroup's
-    duplicates get the subgroup's own timeout (`timeout_s` where it cannot be read).
+    default group's duplicates; a subgroup's get the subgroup's own (else `timeout_s`).
     """
 
     def __init__(self) -> None:
@@ -51,7 +48,7 @@ class UBatchGroupRegistry:
         self.timeout_s: float | None = None
         self._world: weakref.ref[dist.ProcessGroup] | None = None  # of those counts
         self._checked: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
-        """Groups with too few duplicates that `_warn_shared` has seen."""
+        """Groups with too few duplicates that `lookup` has seen (and warned of)."""
 
     def lookup(
         self, base: dist.ProcessGroup, ubatch_id: int, num_ubatches: int = 0
@@ -59,27 +56,22 @@ class UBatchGroupRegistry:
         """The group ubatch `ubatch_id` uses for `base`: duplicate `ubatch_id % n`, else
         `base` itself. With fewer duplicates than `num_ubatches` (0: not checked) the
         ubatches share a communicator: a RuntimeWarning, once per group."""
-        duplicates = self._duplicates.get(base)
-        if num_ubatches > 1 and (not duplicates or len(duplicates) < num_ubatches):
-            self._warn_shared(base, len(duplicates or ()), num_ubatches)
+        duplicates = self._duplicates.get(base) or []
+        if num_ubatches > len(duplicates) and num_ubatches > 1 and base not in self._checked:
+            self._checked.add(base)
+            # Not for a duplicate passed on purpose, nor without a peer to wait for.
+            if base not in self._is_duplicate and base.size() > 1:
+                warnings.warn(
+                    f"comm: group {base.group_name!r} ({base.size()} ranks) has "
+                    f"{len(duplicates)} per-ubatch duplicates for {num_ubatches} ubatches, so "
+                    "their collectives on it run one after another (and an NCCL communicator "
+                    "first used inside the overlap can deadlock). Create them on every rank, "
+                    f"outside any overlap: comm.ubatch_groups(group, {num_ubatches})",
+                    RuntimeWarning, stacklevel=4,
+                )
         if not duplicates:
             return base
         return duplicates[ubatch_id % len(duplicates)]
-
-    def _warn_shared(self, base: dist.ProcessGroup, count: int, num_ubatches: int) -> None:
-        if base in self._checked:
-            return
-        self._checked.add(base)
-        if base in self._is_duplicate or base.size() < 2:
-            return  # a duplicate passed on purpose, or no peer to wait for
-        warnings.warn(
-            f"comm: group {base.group_name!r} ({base.size()} ranks) has {count} per-ubatch "
-            f"duplicates for {num_ubatches} ubatches, so their collectives on it run one "
-            "after another (and an NCCL communicator first used inside the overlap can "
-            "deadlock). Create them on every rank, outside any overlap: "
-            f"comm.ubatch_groups(group, {num_ubatches})",
-            RuntimeWarning, stacklevel=5,
-        )
 
     def get_or_create(
         self, base: dist.ProcessGroup, num_ubatches: int
@@ -128,10 +120,19 @@ class UBatchGroupRegistry:
                     self._created_as_non_member[identity] = index + 1
 
     def _timeout_for(self, base: dist.ProcessGroup) -> timedelta | None:
-        """The timeout of `base`'s duplicates (None: `_new_group` uses `timeout_s`)."""
+        """The timeout of `base`'s duplicates: `timeout_s` for the default group, else
+        `base`'s own from its backend's options (private API); None where this torch does
+        not expose it (`_new_group` then uses `timeout_s`)."""
         if base is dist.GroupMember.WORLD and self.timeout_s is not None:
             return timedelta(seconds=self.timeout_s)
-        return _timeout_of(base)
+        for device_type in getattr(base, "_device_types", ()):
+            try:
+                timeout = base._get_backend(device_type).options._timeout
+            except (AttributeError, RuntimeError, TypeError):
+                continue
+            if isinstance(timeout, timedelta) and timeout > timedelta(0):
+                return timeout
+        return None
 
     def _new_group(
         self, ranks: list[int], backend: str, index: int, timeout: timedelta | None = None
@@ -185,19 +186,6 @@ def _refuse_inside_overlap(count: int) -> None:
         )
 
 
-def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
-    """`group`'s own collective timeout from its backend's options (private API), or
-    None where this torch does not expose it."""
-    for device_type in getattr(group, "_device_types", ()):
-        try:
-            timeout = group._get_backend(device_type).options._timeout
-        except (AttributeError, RuntimeError, TypeError):
-            continue
-        if isinstance(timeout, timedelta) and timeout > timedelta(0):
-            return timeout
-    return None
-
-
 def connect_now(group: dist.ProcessGroup) -> None:
     """Make NCCL create `group`'s communicator now, with one tiny all-reduce on every
     member: created lazily inside an overlap, while another communicator's kernels are
@@ -229,9 +217,9 @@ def ubatch_groups(
     group); inside an overlap `comm`'s collectives on `group` then run ubatch i on
     duplicate `i % n`, outside one they keep using `group`.
 
-    A collective over the world whenever it creates duplicates: every rank of the world
-    calls it, in the same order relative to its other group creations, outside any
-    overlap (inside one it only returns existing duplicates, else RuntimeError).
+    A collective over the world whenever it creates duplicates: every rank calls it, in
+    the same order relative to its other group creations, outside any overlap (inside
+    one it only returns existing duplicates, else RuntimeError).
 
     A non-member (it got `GroupMember.NON_GROUP_MEMBER` from `new_group`) passes that
     value and `ranks=` (the base group's ranks), and gets `()`. Without `key=` it takes
@@ -246,31 +234,24 @@ def ubatch_groups(
     except TypeError:
         raise TypeError(f"key must be hashable, got {type(key).__name__}") from None
     if group is dist.GroupMember.NON_GROUP_MEMBER:
+        # Checked here, on this rank: a bad ranks= would time out in the rendezvous.
         if ranks is None:
             raise ValueError(
                 "this rank is not a member of the group; pass ranks= (the group's ranks, as "
                 "given to new_group) so that it can take part in creating the duplicates"
             )
-        _registry.create_for_non_member(
-            _checked_non_member_ranks(ranks), str(dist.get_backend()), num_ubatches, key
-        )
+        checked = sorted({int(rank) for rank in ranks})
+        me, world_size = dist.get_rank(), dist.get_world_size()
+        if me in checked:
+            raise ValueError(
+                f"ranks={list(ranks)} contains this rank ({me}), which got NON_GROUP_MEMBER: "
+                "pass the ranks of the base group it is not a member of"
+            )
+        if any(not 0 <= rank < world_size for rank in checked):
+            raise ValueError(f"ranks={list(ranks)} must be ranks of the world [0, {world_size})")
+        _registry.create_for_non_member(checked, str(dist.get_backend()), num_ubatches, key)
         return ()
     return _registry.get_or_create(resolve_group(group), num_ubatches)
-
-
-def _checked_non_member_ranks(ranks: Any) -> list[int]:
-    """A non-member's `ranks=`: ranks of this world, without this rank (ValueError
-    before any rendezvous, which would otherwise time out)."""
-    checked = sorted({int(rank) for rank in ranks})
-    me, world_size = dist.get_rank(), dist.get_world_size()
-    if me in checked:
-        raise ValueError(
-            f"ranks={list(ranks)} contains this rank ({me}), which got NON_GROUP_MEMBER: "
-            "pass the ranks of the base group it is not a member of"
-        )
-    if any(not 0 <= rank < world_size for rank in checked):
-        raise ValueError(f"ranks={list(ranks)} must be ranks of the world [0, {world_size})")
-    return checked
 
 
 def destroy_ubatch_groups() -> None:

@@ -30,7 +30,12 @@ def check_dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     x = require_tensor("x", x)
     topk_ids = require_tensor("topk_ids", topk_ids)
-    num_experts = _check_num_experts(num_experts, world_size)
+    num_experts = check_positive_int("num_experts", num_experts)
+    if num_experts % world_size != 0:
+        raise ValueError(
+            f"num_experts={num_experts} must be divisible by the group size {world_size} "
+            f"(experts are split evenly over the ranks); use a multiple of {world_size}"
+        )
     if x.ndim != 2:
         raise ValueError(f"x must be [num_tokens, hidden], got shape {tuple(x.shape)}")
     if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
@@ -91,18 +96,30 @@ def weighted_sum(per_pair: torch.Tensor, topk_weights: torch.Tensor) -> torch.Te
     return (pairs * topk_weights.to(dtype).unsqueeze(-1)).sum(dim=1).to(per_pair.dtype)
 
 
-def check_weights(
-    topk_weights: torch.Tensor, expert_out: torch.Tensor, num_tokens: int, topk: int
-) -> None:
-    """`topk_weights` is [T, K] floating point, on `expert_out`'s device."""
-    if topk_weights.shape != (num_tokens, topk):
+def check_combine(
+    expert_out: Any, topk_weights: Any, handle: Any, rows: tuple[int, ...], layout: str,
+    dispatched: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A combine's tensors, once `handle` has the right type: `expert_out` [*rows, H]
+    (`layout` names the dims of `rows`), `topk_weights` [T, K] floating point, both on
+    the device of `dispatched` (a tensor the dispatch made)."""
+    expert_out = require_tensor("expert_out", expert_out)
+    topk_weights = require_tensor("topk_weights", topk_weights)
+    if expert_out.ndim != len(rows) + 1 or tuple(expert_out.shape[:-1]) != rows:
         raise ValueError(
-            f"topk_weights must be [num_tokens, k] = [{num_tokens}, {topk}] (the shape of "
-            f"the dispatch's topk_ids), got {tuple(topk_weights.shape)}"
+            f"expert_out must be [{layout}, hidden] = [{', '.join(map(str, rows))}, hidden] "
+            f"(recv_x's layout), got shape {tuple(expert_out.shape)}"
+        )
+    if topk_weights.shape != (handle.num_tokens, handle.topk):
+        raise ValueError(
+            f"topk_weights must be [num_tokens, k] = [{handle.num_tokens}, {handle.topk}] (the "
+            f"shape of the dispatch's topk_ids), got {tuple(topk_weights.shape)}"
         )
     if not topk_weights.dtype.is_floating_point:
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     require_same_device("expert_out", expert_out, "topk_weights", topk_weights)
+    require_same_device("expert_out", expert_out, "the dispatch's x", dispatched)
+    return expert_out, topk_weights
 
 
 _ORDER_TOKEN_KEY = "comm.moe.order_token"  # `dbo.backward_state()` key: the latest token
@@ -152,14 +169,9 @@ def _send_rows(
     num_rows = rows.shape[0] if output_splits is None else sum(output_splits)
     received = rows.new_empty((num_rows, *rows.shape[1:]))
     work = unchecked_all_to_all_single(
-        received, rows.contiguous(), _as_list(output_splits), _as_list(input_splits), group,
-        async_op,
+        received, rows.contiguous(), output_splits, input_splits, group, async_op
     )
     return received, work
-
-
-def _as_list(splits: Splits) -> list[int] | None:
-    return None if splits is None else list(splits)
 
 
 class _ExchangeRows(torch.autograd.Function):
@@ -208,16 +220,6 @@ class _ExchangeRows(torch.autograd.Function):
         )
         return (grad_rows if ctx.needs_input_grad[0] else None, None, None, None, None,
                 *token_grads)
-
-
-def _check_num_experts(num_experts: Any, world_size: int) -> int:
-    value = check_positive_int("num_experts", num_experts)
-    if value % world_size != 0:
-        raise ValueError(
-            f"num_experts={value} must be divisible by the group size {world_size} (experts "
-            f"are split evenly over the ranks); use a multiple of {world_size}"
-        )
-    return value
 
 
 def check_positive_int(name: str, value: Any, meaning: str = "") -> int:

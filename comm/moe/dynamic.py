@@ -1,24 +1,21 @@
-"""The dynamic path: `dispatch` sends each (token, k) pair as one row, `combine` brings
-the rows back. Counts go first, so uneven loads and empty ranks work; the split sizes
-are read on the host once per `dispatch`. Inside an overlap `dispatch` yields twice,
-`combine` once. When only the experts train, `combine` in grad mode first all-reduces
-whether any rank's `expert_out` requires grad.
+"""The dynamic path: `dispatch` sends each (token, k) pair as one row, counts first (so
+uneven loads and empty ranks work; the split sizes are read on the host once), and
+`combine` brings the rows back. Inside an overlap `dispatch` yields twice, `combine` once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import dbo
-from comm._checks import require_tensor, resolve_group
+from comm._checks import resolve_group
 from comm.collectives import unchecked_all_reduce
 from comm.moe._exchange import (
+    check_combine,
     check_dispatch,
-    check_weights,
     exchange_counts,
     exchange_rows,
     raise_if_bad_ids,
@@ -133,7 +130,14 @@ def combine(
     all-reduce when only the experts train); TypeError / ValueError before any
     communication for bad shapes or dtypes.
     """
-    expert_out, topk_weights = _check_combine(expert_out, handle, topk_weights)
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(
+            f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}"
+        )
+    expert_out, topk_weights = check_combine(
+        expert_out, topk_weights, handle, (handle.num_recv_tokens,), "num_recv_tokens",
+        handle.sort_order,
+    )
     anchor = handle.order_token
     if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
         anchor = _agree_on_grad(expert_out, handle.group)
@@ -143,29 +147,6 @@ def combine(
     # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
     per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
     return weighted_sum(per_pair, topk_weights)
-
-
-def _check_combine(
-    expert_out: Any, handle: Any, topk_weights: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(handle, DispatchHandle):
-        raise TypeError(
-            f"handle must be the DispatchHandle returned by dispatch, got {type(handle).__name__}"
-        )
-    expert_out = require_tensor("expert_out", expert_out)
-    topk_weights = require_tensor("topk_weights", topk_weights)
-    if expert_out.ndim != 2 or expert_out.shape[0] != handle.num_recv_tokens:
-        raise ValueError(
-            f"expert_out must be [num_recv_tokens = {handle.num_recv_tokens} (the rows "
-            f"dispatch returned), hidden], got shape {tuple(expert_out.shape)}"
-        )
-    check_weights(topk_weights, expert_out, handle.num_tokens, handle.topk)
-    if handle.sort_order.device != expert_out.device:
-        raise ValueError(
-            f"expert_out is on {expert_out.device} but dispatch ran on "
-            f"{handle.sort_order.device}; keep the expert outputs on the tokens' device"
-        )
-    return expert_out, topk_weights
 
 
 def _agree_on_grad(expert_out: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from comm._checks import require_same_device, require_tensor, resolve_group
+from comm._checks import resolve_group
 from comm.moe._exchange import (
+    check_combine,
     check_dispatch,
     check_positive_int,
-    check_weights,
     exchange_counts,
     exchange_rows,
     raise_if_bad_ids,
@@ -32,8 +32,6 @@ from comm.moe._exchange import (
     sort_by_expert,
     weighted_sum,
 )
-
-__all__ = ["FixedDispatchHandle", "combine_fixed", "dispatch_fixed"]
 
 
 @dataclass(frozen=True)
@@ -145,7 +143,15 @@ def combine_fixed(
     every rank takes the backward exchange, with no host read to agree on it): run
     inference under `torch.no_grad()` or `torch.inference_mode()`.
     """
-    expert_out, topk_weights = _check_combine_fixed(expert_out, handle, topk_weights)
+    if not isinstance(handle, FixedDispatchHandle):
+        raise TypeError(
+            "handle must be the FixedDispatchHandle returned by dispatch_fixed, got "
+            f"{type(handle).__name__}"
+        )
+    expert_out, topk_weights = check_combine(
+        expert_out, topk_weights, handle, (handle.num_local_experts, handle.num_rows),
+        "num_local_experts, world_size * capacity", handle.slot_of_pair,
+    )
     world_size = int(handle.recv_counts.shape[1])
     # Back to the send layout [W, E_local, capacity, H]: each rank its own rows.
     blocks = expert_out.view(handle.num_local_experts, world_size, handle.capacity, -1)
@@ -163,25 +169,3 @@ def combine_fixed(
 
 def check_capacity(capacity: Any) -> int:
     return check_positive_int("capacity", capacity, " (rows per source rank and expert)")
-
-
-def _check_combine_fixed(
-    expert_out: Any, handle: Any, topk_weights: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(handle, FixedDispatchHandle):
-        raise TypeError(
-            "handle must be the FixedDispatchHandle returned by dispatch_fixed, got "
-            f"{type(handle).__name__}"
-        )
-    expert_out = require_tensor("expert_out", expert_out)
-    topk_weights = require_tensor("topk_weights", topk_weights)
-    expected = (handle.num_local_experts, handle.num_rows)
-    if expert_out.ndim != 3 or tuple(expert_out.shape[:2]) != expected:
-        raise ValueError(
-            f"expert_out must be [num_local_experts, world_size * capacity, hidden] = "
-            f"[{expected[0]}, {expected[1]}, hidden] (recv_x's layout), got shape "
-            f"{tuple(expert_out.shape)}"
-        )
-    check_weights(topk_weights, expert_out, handle.num_tokens, handle.topk)
-    require_same_device("expert_out", expert_out, "dispatch_fixed's x", handle.slot_of_pair)
-    return expert_out, topk_weights

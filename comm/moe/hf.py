@@ -28,16 +28,18 @@ def shard_experts(
     the model's own expert computation with unit weights (`combine` applies the routing
     weights) and combines. Every rank then runs the same forward calls (collectives);
     the output equals the unsharded model's (allclose), gradients too. Shard after
-    loading a checkpoint, before building an optimizer. `capacity` switches to the
-    fixed-shape path (`dispatch_fixed` with `check_ids=False`: the router's ids are in
-    range) with that many rows per (rank, expert), the same on every rank: pairs past
-    it are dropped (zero contribution), so give at least the most tokens one rank has
-    in one call to drop none. The experts also run on the padding rows; the forward is
-    free of host reads only if the model's expert computation is too (in transformers,
-    `experts_implementation="batched_mm"` or `"grouped_mm"`; the eager loop reads which
-    experts were hit). Returns the names of
-    the blocks changed; ValueError naming the model's class when it has none (or only
-    sharded ones), and when an expert count is not divisible by the group's size.
+    loading a checkpoint, before building an optimizer.
+
+    `capacity` switches to the fixed-shape path (`dispatch_fixed`, `check_ids=False`: the
+    router's ids are in range) with that many rows per (rank, expert), the same on every
+    rank: pairs past it are dropped (zero contribution), so give at least the most tokens
+    one rank has in one call to drop none. The experts also run on the padding rows; the
+    forward is free of host reads only if the model's expert computation is too (in
+    transformers, `experts_implementation="batched_mm"` or `"grouped_mm"`).
+
+    Returns the names of the blocks changed; ValueError naming the model's class when it
+    has none (or only sharded ones), and when an expert count is not divisible by the
+    group's size.
     """
     base = resolve_group(group)
     blocks = [(name, module) for name, module in model.named_modules() if _num_experts(module)]

@@ -148,13 +148,13 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
 
     def record(name: str) -> Any:
-        def launch(group: Any, *args: Any) -> None:
+        def launch(*args: Any) -> None:
             seen.append(name)
 
         return launch
 
-    monkeypatch.setattr(comm.collectives, "_launch_all_gather_into_tensor", record("all_gather"))
-    monkeypatch.setattr(comm.collectives, "_launch_reduce_scatter_tensor", record("reduce_scatter"))
+    monkeypatch.setattr(comm.collectives, "_all_gather", record("all_gather"))
+    monkeypatch.setattr(comm.collectives, "_reduce_scatter", record("reduce_scatter"))
     return seen
 
 
@@ -326,7 +326,7 @@ def test_an_async_handle_dropped_by_an_abort_at_a_later_yield_is_settled(
         launched.append(_FakeWork(completed=False))
         return launched[-1]
 
-    monkeypatch.setattr(comm.collectives, "_launch_all_reduce", launch)
+    monkeypatch.setattr(dist, "all_reduce", launch)
 
     def body(x: torch.Tensor) -> torch.Tensor:
         import dbo
@@ -374,7 +374,7 @@ def test_a_collective_left_in_flight_by_an_aborted_ubatch_is_settled(
     from comm import _abandoned
 
     in_flight = _FakeWork(completed=False)
-    monkeypatch.setattr(comm.collectives, "_launch_all_reduce", lambda *args: in_flight)
+    monkeypatch.setattr(dist, "all_reduce", lambda *args: in_flight)
 
     def body(x: torch.Tensor) -> torch.Tensor:
         import dbo

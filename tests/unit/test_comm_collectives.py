@@ -123,13 +123,13 @@ def test_inside_an_overlap_ubatch_i_uses_its_duplicate_group(
 ) -> None:
     groups = comm.ubatch_groups(None, 2)
     used: list[tuple[int, Any]] = []
-    original = collectives._launch_all_reduce
+    original = dist.all_reduce
 
-    def recording_all_reduce(group: Any, *args: Any) -> Any:
+    def recording_all_reduce(tensor: Any, op: Any, group: Any, async_op: bool) -> Any:
         used.append((dbo.current_ubatch_id(), group))
-        return original(group, *args)
+        return original(tensor, op, group, async_op)
 
-    monkeypatch.setattr(collectives, "_launch_all_reduce", recording_all_reduce)
+    monkeypatch.setattr(dist, "all_reduce", recording_all_reduce)
 
     def body(x: torch.Tensor) -> torch.Tensor:
         comm.all_reduce(x)
@@ -181,9 +181,10 @@ def test_bad_arguments_raise_before_launching(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch, call: Any, error: type, text: str
 ) -> None:
     launched: list[str] = []
-    for name in ("all_to_all_single", "all_reduce", "all_gather_into_tensor",
-                 "reduce_scatter_tensor"):  # every launch goes through these
-        monkeypatch.setattr(collectives, f"_launch_{name}", lambda *a, _n=name: launched.append(_n))
+    for module, name in [(dist, "all_to_all_single"), (dist, "all_reduce"),
+                         (collectives, "_all_gather"), (collectives, "_reduce_scatter")]:
+        # every launch goes through these
+        monkeypatch.setattr(module, name, lambda *a, _n=name: launched.append(_n))
     with pytest.raises(error, match=text):
         call()
     assert launched == []

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import comm
 import dbo
-from comm import collectives
 
 
 def test_dispatch_groups_rows_by_expert_and_combine_weights_them(world_of_one: None) -> None:
@@ -86,8 +86,7 @@ def test_bad_dispatch_raises_before_any_collective(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch, index: int
 ) -> None:
     launched: list[Any] = []
-    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
-                        lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
     call, error, text = _bad_dispatch_calls()[index]
     with pytest.raises(error, match=text):
         call()
@@ -99,10 +98,9 @@ def test_an_expert_id_out_of_range_raises_after_the_counts_exchange_only(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch, bad_id: int
 ) -> None:
     launched: list[Any] = []
-    real = collectives._launch_all_to_all_single
+    real = dist.all_to_all_single
     monkeypatch.setattr(
-        collectives, "_launch_all_to_all_single",
-        lambda *a, **k: launched.append(a) or real(*a, **k),
+        dist, "all_to_all_single", lambda *a, **k: launched.append(a) or real(*a, **k)
     )
     ids = torch.tensor([[0, 1], [2, bad_id]])
     with pytest.raises(ValueError, match=r"\[0, 4\); the group's rank\(s\) \[0\] passed"):
@@ -118,10 +116,10 @@ def test_bad_combine_raises_before_any_collective(
     recv_x, _, handle = comm.moe.dispatch(x, torch.zeros(4, 2, dtype=torch.int64), 2)
     weights = torch.ones(4, 2)
     launched: list[Any] = []
-    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
-                        lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
     cases = [
-        (lambda: comm.moe.combine(recv_x[:7], handle, weights), ValueError, "num_recv_tokens = 8"),
+        (lambda: comm.moe.combine(recv_x[:7], handle, weights), ValueError,
+         r"expert_out must be \[num_recv_tokens, hidden\] = \[8, hidden\]"),
         (lambda: comm.moe.combine(recv_x, handle, weights[:, :1]), ValueError, r"\[4, 2\]"),
         (lambda: comm.moe.combine(recv_x, handle, weights.long()), TypeError, "floating"),
         (lambda: comm.moe.combine(recv_x, "handle", weights), TypeError, "DispatchHandle"),
@@ -135,19 +133,19 @@ def test_bad_combine_raises_before_any_collective(
 
 def test_num_experts_must_divide_over_the_ranks() -> None:
     # A world of 1 divides everything: check the rule dispatch applies for 4 ranks.
-    from comm.moe._exchange import _check_num_experts
+    from comm.moe._exchange import check_dispatch
 
+    x, topk_ids = torch.zeros(2, 3), torch.zeros(2, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="num_experts=6 must be divisible by the group size 4"):
-        _check_num_experts(6, 4)
-    assert _check_num_experts(8, 4) == 8
+        check_dispatch(x, topk_ids, 6, 4)
+    assert check_dispatch(x, topk_ids, 8, 4)[2] == 8
 
 
 def test_dispatch_refuses_a_cuda_graph_capture_and_names_the_fixed_shape_path(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     launched: list[Any] = []
-    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
-                        lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="comm.moe.dispatch cannot be captured.*dispatch_fixed"):

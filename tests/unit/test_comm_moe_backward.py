@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import comm
 import dbo
-from comm import collectives
 
 
 def _moe_layer_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,14 +60,14 @@ def test_dispatch_propagates_the_token_gradient(world_of_one: None) -> None:
 def _spy_row_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """Record (phase, rows sent) for each all-to-all of rows (not the count exchanges)."""
     calls: list[tuple[str, int]] = []
-    original = collectives._launch_all_to_all_single
+    original = dist.all_to_all_single
 
-    def spy(group: Any, output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any) -> Any:
         if input.is_floating_point():
             calls.append(("backward" if _in_backward() else "forward", int(input.shape[0])))
-        return original(group, output, input, *args)
+        return original(output, input, *args)
 
-    monkeypatch.setattr(collectives, "_launch_all_to_all_single", spy)
+    monkeypatch.setattr(dist, "all_to_all_single", spy)
     return calls
 
 

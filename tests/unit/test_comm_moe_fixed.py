@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from moe_fixed_checks import (
     HostReads,
     dynamic_round_trip,
@@ -17,7 +18,6 @@ from moe_fixed_checks import (
 
 import comm
 import dbo
-from comm import collectives
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
@@ -131,8 +131,7 @@ def test_bad_dispatch_fixed_raises_before_any_collective(
     monkeypatch: pytest.MonkeyPatch, index: int
 ) -> None:
     launched: list[Any] = []
-    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
-                        lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
     call, error, text = _bad_calls()[index]
     with pytest.raises(error, match=text):
         call()
@@ -144,8 +143,7 @@ def test_bad_combine_fixed_raises_before_any_collective(monkeypatch: pytest.Monk
     recv_x, _, handle = comm.moe.dispatch_fixed(x, ids, 4, capacity=3)
     _, _, dynamic_handle = comm.moe.dispatch(x, ids, 4)
     launched: list[Any] = []
-    monkeypatch.setattr(collectives, "_launch_all_to_all_single",
-                        lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: launched.append(a))
     combine = comm.moe.combine_fixed
     cases = [
         (lambda: combine(recv_x[:, :2], handle, weights), ValueError, r"\[4, 3, hidden\]"),
