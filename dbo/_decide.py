@@ -25,7 +25,10 @@ def decided_parts(
     parts = None
     try:
         leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
-        size = _largest_size(leaves) if custom_split else batch_size_of(leaves)
+        if custom_split:  # the largest dim 0: the tokens, in ragged inputs
+            size = max((int(leaf.size(0)) for _, leaf in leaves), default=None)
+        else:
+            size = batch_size_of(leaves)
         wanted = size is not None and size >= smallest and not must_inline
         if wanted and not custom_split:
             check_objects(args, kwargs, size)  # type: ignore[arg-type]
@@ -75,8 +78,3 @@ def smallest_batch_across_ranks(
         size = torch.full((1,), local_size, dtype=torch.int64, device=device)
         dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
         return int(size.item())
-
-
-def _largest_size(leaves: list[tuple[str, torch.Tensor]]) -> int | None:
-    """A custom split's batch size: the largest dim 0 (the tokens, in ragged inputs)."""
-    return max((int(leaf.size(0)) for _, leaf in leaves), default=None)

@@ -49,12 +49,9 @@ class RunnerPool:
         finally:
             to_close = [runner]
             with self._lock:
-                if (
-                    runner.state is RunnerState.IDLE
-                    and generation == self._generation
-                    and sum(1 for idle_key, _ in self._idle if idle_key == key)
-                    < _MAX_IDLE_RUNNERS
-                ):
+                reusable = runner.state is RunnerState.IDLE and generation == self._generation
+                idle_alike = sum(1 for idle_key, _ in self._idle if idle_key == key)
+                if reusable and idle_alike < _MAX_IDLE_RUNNERS:
                     self._idle.append((key, runner))
                     to_close = []
                     if len(self._idle) > _MAX_IDLE_RUNNERS_IN_ALL:  # the least recently used

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import os
 import sys
 import threading
@@ -27,11 +28,6 @@ class Worker:
         self._job: UBatchJob | None = None
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-
-    def start(self) -> None:
-        """Start the thread (the runner holds every worker first, to stop them all if a
-        start is interrupted)."""
-        self.thread.start()
 
     def submit(self, job: UBatchJob) -> None:
         """Hand `job` to the worker, to run at its next wake-up (its baton turn)."""
@@ -59,32 +55,22 @@ class Worker:
                 return
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class UBatchJob:
     """What a worker thread does for ubatch `ubatch_id` of one run; runs at most once."""
 
-    __slots__ = (
-        "run", "ubatch_id", "fn", "args", "kwargs", "settings", "results", "errors", "_claim",
-        "revoked",
-    )
-
-    def __init__(
-        self,
-        run: OverlapRun,
-        ubatch_id: int,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        settings: _thread_settings.ThreadSettings,
-        results: list[Any],
-        errors: list[BaseException | None],
-    ) -> None:
-        self.run, self.ubatch_id, self.fn = run, ubatch_id, fn
-        self.args, self.kwargs, self.settings = args, kwargs, settings
-        self.results, self.errors = results, errors
-        self._claim = _thread.allocate_lock()
-        """Taken once: by the worker when the job starts, or by `revoke`."""
-        self.revoked = False
-        """Whether `revoke` stopped it: it never runs, so the caller counts it as finished."""
+    run: OverlapRun
+    ubatch_id: int
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    settings: _thread_settings.ThreadSettings
+    results: list[Any]
+    errors: list[BaseException | None]
+    _claim: Any = dataclasses.field(default_factory=_thread.allocate_lock, init=False)
+    """Taken once: by the worker when the job starts, or by `revoke`."""
+    revoked: bool = dataclasses.field(default=False, init=False)
+    """Whether `revoke` stopped it: it never runs, so the caller counts it as finished."""
 
     def revoke(self) -> bool:
         """Stop the job from ever running; False if it has already started."""

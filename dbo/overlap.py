@@ -7,7 +7,7 @@ import functools
 import inspect
 import time
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -19,13 +19,7 @@ from dbo._decide import decided_parts
 from dbo._pool import runner_pool
 from dbo.backward import attach, own_leaves
 from dbo.runner import check_timeout
-from dbo.split import (
-    UBatchInputs,
-    default_merge,
-    describe_ubatch_input,
-    is_ubatch_input,
-    split_parts,
-)
+from dbo.split import UBatchInputs, checked_ubatch_inputs, default_merge, split_parts
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -128,8 +122,8 @@ def overlap(
         decision_group=decision_group, overlap_if=overlap_if, overlap_backward=overlap_backward,
     )
     if fn is None:
-        return lambda fn: _overlapped(fn, no_split, options)
-    return _overlapped(fn, no_split, options)
+        return lambda fn: Overlapped(fn, no_split, options)
+    return Overlapped(fn, no_split, options)
 
 
 _NOT_PLAIN = (inspect.iscoroutinefunction, inspect.isasyncgenfunction, inspect.isgeneratorfunction)
@@ -150,17 +144,6 @@ class Options:
     overlap_backward: bool
 
 
-def _overlapped(fn: Any, no_split: tuple[Any, ...], options: Options) -> Overlapped:
-    if not callable(fn):
-        raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
-    if any(is_kind(fn) for is_kind in _NOT_PLAIN):  # a call would not run the body
-        raise TypeError(
-            f"dbo.overlap needs a plain function; {fn!r} is a coroutine or generator "
-            "function, whose body would run after the overlap, not in its ubatches"
-        )
-    return Overlapped(fn, _whole_arguments(fn, no_split), options)
-
-
 class Overlapped:
     """What `dbo.overlap(fn)` returns: calls `fn` on overlapped ubatches of its batch.
 
@@ -168,17 +151,19 @@ class Overlapped:
     a class, binds as a method as a function does. `options` holds the checked options.
     """
 
-    def __init__(
-        self, fn: Callable[..., Any], whole: tuple[frozenset[int], frozenset[str], int],
-        options: Options,
-    ) -> None:
-        plain = not isinstance(fn, (functools.partial, torch.nn.Module)) and hasattr(
-            fn, "__name__"
-        )
+    def __init__(self, fn: Any, no_split: tuple[Any, ...], options: Options) -> None:
+        if not callable(fn):
+            raise TypeError(f"dbo.overlap needs a callable, got {fn!r}")
+        if any(is_kind(fn) for is_kind in _NOT_PLAIN):  # a call would not run the body
+            raise TypeError(
+                f"dbo.overlap needs a plain function; {fn!r} is a coroutine or generator "
+                "function, whose body would run after the overlap, not in its ubatches"
+            )
+        plain = hasattr(fn, "__name__") and not isinstance(fn, (functools.partial, torch.nn.Module))
         functools.update_wrapper(self, fn, updated=functools.WRAPPER_UPDATES if plain else ())
         # Set after update_wrapper, which copies a plain function's __dict__ onto this one.
         self.dbo_target = fn
-        self.dbo_whole = whole
+        self.dbo_whole = _whole_arguments(fn, no_split)
         self.options = options
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
@@ -204,7 +189,10 @@ class Overlapped:
             return self._inline(args, kwargs)  # nested: no ubatches inside a ubatch
         # The ubatch threads do not see a torch.func transform or a mode of this thread;
         # with a decision group this rank still votes, so that every rank runs inline.
-        must_inline = _under_functorch_transform() or _thread_settings.unreplayed_mode_active()
+        must_inline = (
+            torch._C._functorch.peek_interpreter_stack() is not None  # grad, vmap, jvp, ...
+            or _thread_settings.unreplayed_mode_active()
+        )
         if must_inline and options.decision_group is None:
             return self._inline(args, kwargs)
         recording = tracing._active
@@ -240,7 +228,8 @@ class Overlapped:
             if split is None:  # the leaves were checked when sized
                 local_size = leaves[0][1].size(0)  # every leaf has it (checked)
                 return split_parts(args, kwargs, num_ubatches, local_size)
-            return _checked_split(split(args, kwargs, num_ubatches), num_ubatches)
+            parts = split(args, kwargs, num_ubatches)
+            return checked_ubatch_inputs(parts, num_ubatches, "split(args, kwargs, num_ubatches)")
 
     def _run(self, inputs: UBatchInputs, leaves: list[tuple[str, torch.Tensor]]) -> Any:
         """Run the ubatches (their backward too, under grad mode) and merge."""
@@ -261,17 +250,13 @@ class Overlapped:
                 backward_per_ubatch=backward,
             )
         if backward:
-            run_backward = functools.partial(
-                _run_backward, options.num_ubatches, options.device, run_device,
-                options.timeout_s,
-            )
+            run_backward = functools.partial(_run_backward, options, run_device)
             outputs = attach(outputs, own, replaced, run_backward)
         return (options.merge or default_merge)(outputs)
 
 
 def _run_backward(
-    num_ubatches: int, device: torch.device | None, run_device: torch.device,
-    timeout_s: float | None, fn: Callable[..., Any], jobs: UBatchInputs,
+    options: Options, run_device: torch.device, fn: Callable[..., Any], jobs: UBatchInputs
 ) -> list[Any]:
     """Run one overlapped call's backward jobs (`dbo.backward`), each in its ubatch
     thread; in turn in this thread when it is a ubatch thread (nothing nests)."""
@@ -280,8 +265,8 @@ def _run_backward(
     recording = tracing._active
     start = time.perf_counter() if recording is not None else 0.0
     try:
-        with runner_pool.lease(num_ubatches, device) as runner:
-            return runner.run(fn, jobs, timeout_s=timeout_s, device=run_device)
+        with runner_pool.lease(options.num_ubatches, options.device) as runner:
+            return runner.run(fn, jobs, timeout_s=options.timeout_s, device=run_device)
     finally:
         if recording is not None:
             recording.add("dbo.overlap backward", tracing.CALLER, start, time.perf_counter())
@@ -335,33 +320,3 @@ def put_back(parts: UBatchInputs, held: dict[int | str, Any]) -> UBatchInputs:
         (tuple(held.get(i, arg) for i, arg in enumerate(args)), {**kwargs, **named})
         for args, kwargs in parts
     ]
-
-
-def _checked_split(parts: Any, num_ubatches: int) -> list[Any]:
-    """What a custom `split=` returned, checked here so that the error names `split=`."""
-    if not isinstance(parts, Iterable):
-        raise TypeError(
-            f"split= must return a list of {num_ubatches} (args_tuple, kwargs_dict) pairs, "
-            f"got {type(parts).__name__}"
-        )
-    parts = list(parts)
-    if len(parts) != num_ubatches:
-        raise ValueError(
-            f"split= returned {len(parts)} parts for num_ubatches={num_ubatches}; it must "
-            "return one (args_tuple, kwargs_dict) pair per ubatch"
-        )
-    for index, part in enumerate(parts):
-        if not is_ubatch_input(part):
-            described = describe_ubatch_input(part)
-            raise TypeError(
-                f"split= returned {described} as part {index}; each part must be an "
-                "(args_tuple, kwargs_dict) pair, e.g. ((x_i,), {})"
-            )
-    return parts
-
-
-def _under_functorch_transform() -> bool:
-    """Whether a torch.func transform (grad, vmap, jvp, ...) is active in this thread."""
-    functorch = getattr(torch._C, "_functorch", None)
-    peek = getattr(functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None

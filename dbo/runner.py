@@ -26,10 +26,8 @@ from dbo._context import current_context
 from dbo._run import OverlapRun, UBatchStreams
 from dbo._worker import UBatchJob, Worker, stop_workers
 from dbo.device import DeviceBackend, StreamLease, backend_for, held_streams
-from dbo.errors import OverlapTimeoutError, UBatchAbortedError, attach_ubatch_id
-from dbo.split import describe_ubatch_input, flat_arguments, is_ubatch_input
-
-_Inputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
+from dbo.errors import OverlapTimeoutError, attach_ubatch_id
+from dbo.split import UBatchInputs, checked_ubatch_inputs, flat_arguments
 
 _ABORT_GRACE_S = 0.5
 """How long an aborted run's ubatches get to unwind before the runner is left broken."""
@@ -149,7 +147,7 @@ class UBatchRunner:
         ]
         try:
             for worker in self._workers:
-                worker.start()
+                worker.thread.start()
         except BaseException:
             # An interrupt while a thread starts: nothing will refer to this runner.
             stop_workers(self._workers, self._pid)
@@ -284,7 +282,7 @@ class UBatchRunner:
         leaves the runner BROKEN until it returns. RuntimeError if closed or broken.
         """
         timeout_s = check_timeout(timeout_s)
-        inputs = self._checked_inputs(ubatch_inputs)
+        inputs = checked_ubatch_inputs(ubatch_inputs, self.num_ubatches, "ubatch_inputs")
         self._refuse_own_ubatch_thread("run")
         if os.getpid() != self._pid:  # before the run lock, which the fork may have copied held
             raise RuntimeError(
@@ -305,28 +303,32 @@ class UBatchRunner:
             ]
             try:
                 self._begin(run, jobs)
-                self._start_and_wait(run, jobs, timeout_s)
+                try:
+                    for worker, job in zip(self._workers, jobs):
+                        worker.submit(job)
+                    run.baton.start()
+                    self._wait(run, timeout_s)
+                except BaseException as error:  # the watchdog, an interrupt
+                    self._abort(run, jobs, error)
+                    raise
             finally:
                 self._end(run, jobs)
             return self._collect(run, results, errors)
 
-    def _checked_inputs(self, ubatch_inputs: Sequence[Any]) -> _Inputs:
-        inputs = list(ubatch_inputs)
-        if len(inputs) != self.num_ubatches:
-            raise ValueError(
-                "ubatch_inputs must hold one (args_tuple, kwargs_dict) pair per ubatch: this "
-                f"runner has {self.num_ubatches} ubatches, got {len(inputs)}"
-            )
-        for index, item in enumerate(inputs):
-            if not is_ubatch_input(item):
-                raise TypeError(
-                    f"ubatch_inputs[{index}] must be an (args_tuple, kwargs_dict) pair, "
-                    f"got {describe_ubatch_input(item)}"
-                )
-        return inputs
-
-    def _new_run(self, inputs: _Inputs, device: torch.device | None) -> OverlapRun:
-        backend, streams, lease = self._backend_and_streams(inputs, device)
+    def _new_run(self, inputs: UBatchInputs, device: torch.device | None) -> OverlapRun:
+        """A run on this runner's streams for the device (see `run`), forked from the
+        caller's current stream."""
+        if self.device is not None:
+            device = self.device
+        if device is None or device.type == "cuda":
+            device = _streams_device(_input_leaves(inputs), device)
+        if device not in self._streams:
+            backend = backend_for(device)
+            lease = held_streams.lease(backend, 2 * self.num_ubatches)
+            drawn = lease.streams  # (compute, comm) of ubatch 0, then of ubatch 1, ...
+            streams = [UBatchStreams(*pair) for pair in zip(drawn[::2], drawn[1::2])]
+            self._streams[device] = (backend, streams, lease)
+        backend, streams, lease = self._streams[device]
         context = current_context()
         run = OverlapRun(
             self.num_ubatches, backend, streams, owner=self,
@@ -337,30 +339,6 @@ class UBatchRunner:
         run.caller_stream = backend.current_stream()
         run.fork_event = backend.record_event(run.caller_stream)
         return run
-
-    def _backend_and_streams(
-        self, inputs: _Inputs, device: torch.device | None
-    ) -> tuple[DeviceBackend, list[UBatchStreams], StreamLease]:
-        if self.device is not None:
-            device = self.device
-        leaves = _input_leaves(inputs) if device is None or device.type == "cuda" else []
-        if device is None:
-            device = _first_tensor_device(leaves)
-        if device.type == "cuda":
-            bare = device.index is None
-            if bare:
-                device = torch.device("cuda", torch.cuda.current_device())
-            _check_input_devices(leaves, device, bare)
-        cached = self._streams.get(device)
-        if cached is None:
-            backend = backend_for(device)
-            lease = held_streams.lease(backend, 2 * self.num_ubatches)
-            drawn = lease.streams
-            streams = [
-                UBatchStreams(drawn[2 * i], drawn[2 * i + 1]) for i in range(self.num_ubatches)
-            ]
-            cached = self._streams[device] = (backend, streams, lease)
-        return cached
 
     def _begin(self, run: OverlapRun, jobs: list[UBatchJob]) -> None:
         """IDLE -> RUNNING with `run`; RuntimeError if the runner is closed or broken."""
@@ -394,20 +372,6 @@ class UBatchRunner:
             if run.baton.wait_done(0):
                 self._release_streams()
 
-    def _start_and_wait(
-        self, run: OverlapRun, jobs: list[UBatchJob], timeout_s: float | None
-    ) -> None:
-        """Hand out the jobs, start the baton, wait; on the watchdog or an interrupt, abort
-        the run before re-raising."""
-        try:
-            for worker, job in zip(self._workers, jobs):
-                worker.submit(job)
-            run.baton.start()
-            self._wait(run, timeout_s)
-        except BaseException as error:
-            self._abort(run, jobs, error)
-            raise
-
     def _abort(self, run: OverlapRun, jobs: list[UBatchJob], error: BaseException) -> None:
         """No ubatch may stay parked: abort (a job the baton reaches from here on unwinds),
         count the jobs that never started as finished, wake every ubatch, and give them
@@ -437,7 +401,10 @@ class UBatchRunner:
         self, run: OverlapRun, results: list[Any], errors: list[BaseException | None]
     ) -> list[Any]:
         """The outputs of a run that ended, or its first failure, re-raised."""
-        failure = run.first_failure or _first_failure(errors)
+        # Else no ubatch failed on its own: they raised the abort of a close() (if any).
+        failure = run.first_failure or next(
+            ((ubatch_id, e) for ubatch_id, e in enumerate(errors) if e is not None), None
+        )
         self._join_streams(run, best_effort=failure is not None)
         if failure is None:
             run.backend.hand_over(results, run.caller_stream)
@@ -497,36 +464,29 @@ class UBatchRunner:
         return "".join(traceback.format_stack(frame))
 
 
-def _first_failure(errors: list[BaseException | None]) -> tuple[int, BaseException] | None:
-    """The error that caused the failure: the first that is not an abort, else the first."""
-    failures = [(ubatch_id, error) for ubatch_id, error in enumerate(errors) if error is not None]
-    own = [failure for failure in failures if not isinstance(failure[1], UBatchAbortedError)]
-    return (own or failures)[0] if failures else None
-
-
-def _input_leaves(inputs: _Inputs) -> list[Any]:
+def _input_leaves(inputs: UBatchInputs) -> list[Any]:
     """The leaves of `inputs`, in order; no tree walk for flat tensor and scalar arguments."""
     flat = flat_arguments(inputs)
     return flat if flat is not None else tree_leaves(inputs)
 
 
-def _check_input_devices(leaves: list[Any], device: torch.device, bare: bool) -> None:
-    """ValueError for a CUDA input on another device than the streams: its kernels would
-    run on that device's current stream, unordered with the ubatch streams."""
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda and leaf.device != device:
+def _streams_device(leaves: list[Any], device: torch.device | None) -> torch.device:
+    """`device`, else the first CUDA input's (a CPU scalar before the CUDA batch does not
+    pick the CPU), else CPU; a bare "cuda" is the calling thread's current device.
+    ValueError for a CUDA input on another device: its kernels would run on that device's
+    current stream, unordered with the ubatch streams."""
+    cuda_inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda]
+    if device is None:
+        device = cuda_inputs[0].device if cuda_inputs else torch.device("cpu")
+    bare = device.type == "cuda" and device.index is None
+    if bare:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for leaf in cuda_inputs:
+        if leaf.device != device:
             named = " ('cuda' names the calling thread's current device)" if bare else ""
             raise ValueError(
                 f"a ubatch input is on {leaf.device} but the ubatch streams are on "
                 f"{device}{named}; pass device='{leaf.device}', or call "
                 f"torch.cuda.set_device({leaf.device.index}) in this thread"
             )
-
-
-def _first_tensor_device(leaves: list[Any]) -> torch.device:
-    """The device of the first CUDA tensor in the inputs, else CPU (a CPU scalar placed
-    before the CUDA batch must not select the CPU backend)."""
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-            return leaf.device
-    return torch.device("cpu")
+    return device

@@ -25,20 +25,32 @@ UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
 
 
-def is_ubatch_input(item: Any) -> bool:
-    """Whether `item` is one ubatch's `(args_tuple, kwargs_dict)` pair."""
-    return (
-        isinstance(item, tuple) and len(item) == 2
-        and isinstance(item[0], tuple) and isinstance(item[1], dict)
-    )
-
-
-def describe_ubatch_input(item: Any) -> str:
-    """What `item` is, for an error saying it is not an `(args_tuple, kwargs_dict)` pair:
-    the types inside a pair ("a pair of (list, dict)"), else the item's type."""
-    if isinstance(item, tuple) and len(item) == 2:
-        return f"a pair of ({type(item[0]).__name__}, {type(item[1]).__name__})"
-    return f"a {type(item).__name__}"
+def checked_ubatch_inputs(parts: Any, num_ubatches: int, name: str) -> UBatchInputs:
+    """`parts` as a list, checked to hold one `(args_tuple, kwargs_dict)` pair per ubatch
+    (TypeError or ValueError naming them `name`)."""
+    if not isinstance(parts, Iterable):
+        raise TypeError(
+            f"{name} must be a list of {num_ubatches} (args_tuple, kwargs_dict) pairs, got "
+            f"{type(parts).__name__}"
+        )
+    parts = list(parts)
+    if len(parts) != num_ubatches:
+        raise ValueError(
+            f"{name} must hold one (args_tuple, kwargs_dict) pair per ubatch: "
+            f"num_ubatches={num_ubatches}, got {len(parts)}"
+        )
+    for index, part in enumerate(parts):
+        pair = isinstance(part, tuple) and len(part) == 2
+        if not (pair and isinstance(part[0], tuple) and isinstance(part[1], dict)):
+            got = (
+                f"a pair of ({type(part[0]).__name__}, {type(part[1]).__name__})" if pair
+                else f"a {type(part).__name__}"
+            )
+            raise TypeError(
+                f"{name}[{index}] must be an (args_tuple, kwargs_dict) pair, got {got}; "
+                "e.g. ((x_i,), {})"
+            )
+    return parts
 
 
 def _is_leaf(node: Any) -> bool:
@@ -73,11 +85,6 @@ def _leaf_paths(tree: Any, root: str) -> list[str]:
 
 def _splittable(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
-
-
-def _to_split(leaf: Any) -> bool:
-    """A leaf each ubatch gets its own part of: a tensor with a dim 0, or a stateful object."""
-    return _splittable(leaf) or stateful.rule_for(leaf) is not None
 
 
 def check_objects(args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> None:
@@ -232,7 +239,8 @@ def _passes_whole(node: Any) -> bool:
     with nothing to split: every ubatch gets the same object (state that `fn` writes into,
     such as a dict of counters, stays shared)."""
     return _is_leaf(node) or not any(
-        _to_split(leaf) for leaf in pytree.tree_leaves(node, is_leaf=_is_leaf)
+        _splittable(leaf) or stateful.rule_for(leaf) is not None
+        for leaf in pytree.tree_leaves(node, is_leaf=_is_leaf)
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from dbo._checks import check_num_ubatches
+from dbo.split import rows_per_ubatch
 
 
 @dataclass(frozen=True)
@@ -50,31 +52,18 @@ def balanced_token_split(
                 "num_tokens_per_request must be 1-D, got shape "
                 f"{tuple(num_tokens_per_request.shape)}"
             )
-        dtype = num_tokens_per_request.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise TypeError(
-                "num_tokens_per_request must hold integer counts, got a tensor of "
-                f"{num_tokens_per_request.dtype}; convert it with .long() if that is meant"
-            )
-        counts = [int(c) for c in num_tokens_per_request.tolist()]
-    else:
-        counts = [_token_count(c) for c in num_tokens_per_request]
+        num_tokens_per_request = num_tokens_per_request.tolist()  # floats and bools: refused
+    counts = [_token_count(c) for c in num_tokens_per_request]
     if any(c < 0 for c in counts):
         raise ValueError(f"num_tokens_per_request must hold counts >= 0, got {counts}")
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
-    total = starts[-1]
+    starts = [0, *itertools.accumulate(counts)]
     if allow_straddle:
-        base, extra = divmod(total, num_ubatches)
-        bounds = [0]
-        for i in range(num_ubatches):
-            bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+        bounds = [0, *itertools.accumulate(rows_per_ubatch(starts[-1], num_ubatches))]
     else:
-        bounds = _min_max_boundaries(starts, num_ubatches)
+        bounds = _min_max_boundaries(counts, starts, num_ubatches)
     return [
         TokenSplit(slice(lo, hi), _requests_touching(starts, lo, hi))
-        for lo, hi in zip(bounds[:-1], bounds[1:])
+        for lo, hi in itertools.pairwise(bounds)
     ]
 
 
@@ -95,27 +84,21 @@ def _token_count(count: Any) -> int:
 
 
 def _requests_touching(starts: list[int], lo: int, hi: int) -> slice:
-    """Requests r with tokens in [lo, hi): starts[r] < hi and starts[r + 1] > lo."""
-    if hi <= lo:
-        first = bisect.bisect_right(starts, lo) - 1
-        first = max(0, min(first, len(starts) - 1))
-        return slice(first, first)
+    """Requests r with tokens in [lo, hi): starts[r] < hi and starts[r + 1] > lo (none,
+    at the request holding token lo, when hi <= lo)."""
     first = bisect.bisect_right(starts, lo) - 1
-    last = bisect.bisect_left(starts, hi)  # one past the last request starting before hi
+    last = bisect.bisect_left(starts, hi) if hi > lo else first  # one past the last
     return slice(first, last)
 
 
-def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
+def _min_max_boundaries(counts: list[int], starts: list[int], num_ubatches: int) -> list[int]:
     """Token boundaries on request boundaries that minimise the largest ubatch.
 
-    The smallest feasible largest-ubatch size comes from a binary search with a greedy
-    feasibility pass. The split returned is the one that puts each boundary at the request
-    boundary nearest to the ideal `k * total / n` when that reaches the optimum without
-    leaving a ubatch empty (the common case, and the most even split), else a greedy split
-    at the optimum that keeps every ubatch non-empty when there are at least `n`
-    non-empty requests.
+    The optimum comes from a binary search with a greedy feasibility pass. Each boundary
+    goes to the request boundary nearest to the ideal `k * total / n` when that reaches
+    the optimum without leaving a ubatch empty (the most even split), else a greedy split
+    at the optimum keeps every ubatch non-empty when at least `n` requests have tokens.
     """
-    counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
     total = starts[-1]
     num_nonempty = sum(1 for count in counts if count > 0)
     fill_all = num_nonempty >= num_ubatches
@@ -139,13 +122,11 @@ def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
             return None
         return bounds + [total] * (num_ubatches + 1 - len(bounds))
 
-    lo, hi = max(counts, default=0), total
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if greedy(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
+    # The optimum: the smallest limit the greedy pass meets (every larger one meets it).
+    largest_request = max(counts, default=0)
+    limit = largest_request + bisect.bisect_left(
+        range(largest_request, total), True, key=lambda candidate: greedy(candidate) is not None
+    )
     nearest = [0]
     for k in range(1, num_ubatches):
         ideal = k * total / num_ubatches
@@ -154,9 +135,9 @@ def _min_max_boundaries(starts: list[int], num_ubatches: int) -> list[int]:
         cut = min(candidates, key=lambda c: (abs(c - ideal), c))
         nearest.append(max(cut, nearest[-1]))
     nearest.append(total)
-    sizes = [b - a for a, b in zip(nearest[:-1], nearest[1:])]
-    if max(sizes) <= lo and (min(sizes) > 0 or not fill_all):
+    sizes = [b - a for a, b in itertools.pairwise(nearest)]
+    if max(sizes) <= limit and (min(sizes) > 0 or not fill_all):
         return nearest
-    bounds = greedy(lo, keep_nonempty=fill_all)
+    bounds = greedy(limit, keep_nonempty=fill_all)
     assert bounds is not None, "the binary search ends on a feasible limit"
     return bounds

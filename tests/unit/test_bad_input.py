@@ -229,8 +229,8 @@ CASES = [
         ValueError, r"pass no_split= or split=, not both", _overlap_works),
     row("overlap-split-returns-one-part",
         lambda _: dbo.overlap(_double, split=lambda a, k, n: [(a, k)])(X), ValueError,
-        r"split= returned 1 parts for num_ubatches=2; it must return one \(args_tuple, "
-        r"kwargs_dict\) pair per ubatch", _overlap_works),
+        r"split\(args, kwargs, num_ubatches\) must hold one \(args_tuple, kwargs_dict\) pair "
+        r"per ubatch: num_ubatches=2, got 1", _overlap_works),
     # unsplittable inputs and unmergeable outputs, on one wrapper
     row("overlap-dim0-sizes-differ", lambda w: w(X, torch.ones(3)), ValueError,
         r"dim-0 sizes differ \(args\[0\]: 4, args\[1\]: 3\); pass no_split=", _doubles,

@@ -417,19 +417,30 @@ def test_an_exit_callback_registered_by_a_hook_at_the_end_still_runs() -> None:
     assert sorted(ran) == [0, 1]
 
 
+_SPLIT = r"split\(args, kwargs, num_ubatches\)"
+
+
 @pytest.mark.parametrize(
     ("returned", "error", "message"),
     [
         (
-            lambda x: [([x[:2]], {}), ([x[2:]], {})],
-            TypeError, r"split= returned a pair of \(list, dict\) as part 0",
+            lambda x: [([x[:2]], {}), ([x[2:]], {})], TypeError,
+            _SPLIT + r"\[0\] must be an \(args_tuple, kwargs_dict\) pair, got a pair of "
+            r"\(list, dict\)",
         ),
         (
-            lambda x: [((x[:1],), {}), ((x[1:2],), {}), ((x[2:],), {})],
-            ValueError, r"split= returned 3 parts for num_ubatches=2",
+            lambda x: [((x[:1],), {}), ((x[1:2],), {}), ((x[2:],), {})], ValueError,
+            _SPLIT + r" must hold one \(args_tuple, kwargs_dict\) pair per ubatch: "
+            r"num_ubatches=2, got 3",
         ),
-        (lambda x: None, TypeError, r"split= must return a list of 2"),
-        (lambda x: [(x[:2],), (x[2:],)], TypeError, r"split= returned a tuple as part 0"),
+        (
+            lambda x: None, TypeError,
+            _SPLIT + r" must be a list of 2 \(args_tuple, kwargs_dict\) pairs, got NoneType",
+        ),
+        (
+            lambda x: [(x[:2],), (x[2:],)], TypeError,
+            _SPLIT + r"\[0\] must be an \(args_tuple, kwargs_dict\) pair, got a tuple",
+        ),
     ],
 )
 def test_a_malformed_custom_split_result_is_named_in_the_error(

@@ -145,14 +145,14 @@ def test_close_while_a_run_is_setting_up_refuses_the_run(
     runner = dbo.UBatchRunner(num_ubatches=2)
     reached, gate = threading.Event(), threading.Event()
     outcome: list[object] = []
-    first_tensor_device = runner_module._first_tensor_device
+    streams_device = runner_module._streams_device
 
-    def blocking_first_tensor_device(inputs: Any) -> torch.device:
+    def blocking_streams_device(leaves: Any, device: Any) -> torch.device:
         reached.set()
         gate.wait(timeout=10)
-        return first_tensor_device(inputs)
+        return streams_device(leaves, device)
 
-    monkeypatch.setattr(runner_module, "_first_tensor_device", blocking_first_tensor_device)
+    monkeypatch.setattr(runner_module, "_streams_device", blocking_streams_device)
 
     caller = _start_run_in_daemon(runner, outcome)
     hung = _close_mid_run(runner, caller, reached, gate, runner.threads, "its set-up")

@@ -295,16 +295,16 @@ def test_an_interrupt_while_a_runner_starts_its_workers_leaves_none_behind() -> 
 def test_an_interrupt_before_the_jobs_are_handed_out_leaves_the_runner_idle(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = UBatchRunner._start_and_wait
+    original = UBatchRunner._begin
     calls: list[int] = []
 
-    def interrupted_on_entry(self: UBatchRunner, *args: Any) -> None:
+    def begin_then_interrupted(self: UBatchRunner, *args: Any) -> None:
+        original(self, *args)
         calls.append(1)
         if len(calls) == 1:
             raise KeyboardInterrupt  # a Ctrl-C right after the run began
-        original(self, *args)
 
-    monkeypatch.setattr(UBatchRunner, "_start_and_wait", interrupted_on_entry)
+    monkeypatch.setattr(UBatchRunner, "_begin", begin_then_interrupted)
     parts = [((torch.zeros(1),), {})] * 2
     with UBatchRunner(num_ubatches=2) as runner:
         with pytest.raises(KeyboardInterrupt):

@@ -180,7 +180,7 @@ def test_runner_runs_each_input_in_its_ubatch() -> None:
 
 def test_runner_rejects_bad_inputs_before_running() -> None:
     with dbo.UBatchRunner(num_ubatches=2) as runner:
-        with pytest.raises(ValueError, match="this runner has 2 ubatches, got 1"):
+        with pytest.raises(ValueError, match="pair per ubatch: num_ubatches=2, got 1"):
             runner.run(lambda: None, [((), {})])
         with pytest.raises(TypeError, match=r"ubatch_inputs\[1\]"):
             runner.run(lambda: None, [((), {}), ([], {})])  # type: ignore[list-item]
