@@ -404,7 +404,7 @@ class _Work:
 
 
 def _launch_into(works: list[_Work]) -> Any:
-    def launch(group: Any, tensor: torch.Tensor, async_op: bool) -> _Work:
+    def launch(tensor: torch.Tensor, group: Any, async_op: bool) -> _Work:
         works.append(_Work())
         return works[-1]
 
