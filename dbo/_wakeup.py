@@ -65,14 +65,11 @@ Wakeup = LockWakeup | EventfdWakeup
 @functools.cache
 def kinds() -> tuple[type[LockWakeup] | type[EventfdWakeup], ...]:
     """Every kind that works here, the preferred last; probed once, on first use."""
-    if hasattr(os, "eventfd"):
-        try:
-            EventfdWakeup().set()
-        except OSError:  # a sandbox without eventfd(2)
-            pass
-        else:
-            return (LockWakeup, EventfdWakeup)
-    return (LockWakeup,)
+    try:
+        EventfdWakeup().set()
+    except (AttributeError, OSError):  # not Linux (no os.eventfd), or no eventfd(2) allowed
+        return (LockWakeup,)
+    return (LockWakeup, EventfdWakeup)
 
 
 def new_wakeup() -> Wakeup:

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dbo import tracing
-from dbo._context import _state, current_context
+from dbo._context import _state
 
 if TYPE_CHECKING:
     from dbo._run import OverlapRun
 
 
 def _run_and_id() -> tuple[OverlapRun | None, int]:
-    context = current_context()
+    context = _state.context
     return (None, 0) if context is None else (context.run, context.ubatch_id)
 
 
@@ -33,11 +33,8 @@ def _switch(to_comm: bool, yield_first: bool) -> None:
 
 
 def current_ubatch_id() -> int:
-    """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap.
-
-    Threads the runtime did not start (the caller, helper threads) get 0 even while an
-    overlap runs. The workspace's slot lookup, hence the direct read.
-    """
+    """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap
+    (the caller and helper threads get 0 even while an overlap runs)."""
     context = _state.context
     return 0 if context is None else context.ubatch_id
 
@@ -49,19 +46,18 @@ def enabled() -> bool:
 
 def num_ubatches() -> int:
     """The number of ubatches of the running overlap; 1 outside an overlap."""
-    context = current_context()
+    context = _state.context
     return 1 if context is None else context.num_ubatches
 
 
 def run_state() -> dict[str, Any] | None:
-    """A dict shared by the ubatch threads of the running overlap; None outside one.
+    """A dict shared by the ubatch threads of the running overlap; None outside one
+    (the caller, helper threads).
 
-    One fresh, empty dict per run (per `dbo.overlap` call or `UBatchRunner.run`),
-    dropped when the run ends, for library code whose ubatches must agree on something
-    within one run (`comm.moe` chains the run's differentiable exchanges through it).
-    Only the baton holder runs Python, so a read-modify-write without a yield in between
-    is atomic with respect to the other ubatches. Use keys named after your package.
-    Threads that are not ubatch threads of a run (the caller, helper threads) get None.
+    One fresh dict per run (`dbo.overlap` call or `UBatchRunner.run`), dropped when it
+    ends, for library code whose ubatches must agree on something within one run. Only
+    the baton holder runs Python, so a read-modify-write without a yield in between is
+    atomic with respect to the other ubatches. Use keys named after your package.
     """
     context = _state.context
     return None if context is None or context.run is None else context.run.state
@@ -72,10 +68,9 @@ def backward_state() -> dict[str, Any] | None:
     one thread; None outside an overlap.
 
     For library code that must run its backward collectives in one order on every rank
-    (`comm.moe` chains its differentiable exchanges through it): this ubatch's own dict
-    when each ubatch's backward runs in its ubatch thread (`dbo.overlap` under grad
-    mode), the run's (`run_state()`) when the backward runs whole in the caller's thread
-    (`overlap_backward=False`, a `UBatchRunner`). Baton rules as for `run_state()`.
+    (`comm.moe` chains its exchanges through it): this ubatch's own dict when each
+    ubatch's backward runs in its thread (`dbo.overlap` under grad mode), else the run's
+    (`run_state()`: `overlap_backward=False`, a `UBatchRunner`).
     """
     context = _state.context
     if context is None or context.run is None:
@@ -90,7 +85,6 @@ def yield_() -> None:
     Returns at once when this is the only live ubatch. Raises `UBatchAbortedError` if the
     overlap is being aborted (another ubatch failed). Outside an overlap: no-op.
     """
-    # Read directly (no helper call): this runs at every yield point of every ubatch.
     context = _state.context
     if context is not None and context.run is not None:
         context.run.baton.yield_(context.ubatch_id)
@@ -134,7 +128,7 @@ def yield_and_switch_to_compute() -> None:
 def current_stream() -> Any:
     """The ubatch stream this ubatch is on, compute or comm (a `torch.cuda.Stream`, or a
     `CpuStream` on CPU), not a side stream it entered; None outside an overlap."""
-    context = _state.context  # read directly: every collective asks
+    context = _state.context
     if context is None or context.run is None:
         return None
     return context.run.current_stream(context.ubatch_id)
@@ -150,15 +144,14 @@ def at_ubatch_exit(
     callback: Callable[[], Any], *, on_failure: Callable[[], Any] | None = None
 ) -> bool:
     """Run `callback` in this ubatch's thread when its function returns normally, before
-    the caller's stream joins this ubatch's streams; True if registered.
+    the caller's stream joins this ubatch's streams; True if registered, False (nothing
+    registered) outside an overlap. TypeError if either is not callable.
 
-    For library code that leaves work in flight (an async collective's handle): the end
-    of the overlap then covers it even if the caller never finishes it. Callbacks run in
-    registration order; an exception in one fails the overlap. When the ubatch raised or
-    was aborted, `on_failure` (if given) runs instead, in the same place, on the ubatch's
-    comm stream: there library code joins device work left in flight into the ubatch's
-    streams, without blocking; its exceptions are dropped (the failure is reported).
-    Outside an overlap: nothing is registered, returns False.
+    For library code that leaves work in flight (an async collective's handle), so that
+    the end of the overlap covers it. Callbacks run in registration order; an exception
+    in one fails the overlap. When the ubatch raised or was aborted, `on_failure` runs
+    instead, on the ubatch's comm stream, to join device work left in flight into the
+    ubatch's streams without blocking; its exceptions are dropped.
     """
     if not callable(callback):
         raise TypeError(f"callback must be callable, got {callback!r}")
@@ -183,12 +176,13 @@ def register_recv_hook(hook: Callable[[], Any]) -> None:
     streams. Once this ubatch has returned, its hooks run on the running ubatch's stream.
 
     A hook registered from inside a hook belongs to that hook's ubatch (a receive in
-    stages). Hooks still pending at the end run before the overlap returns: a ubatch
-    runs the ones it registered for a ubatch that has already returned at its own end,
-    with the ones they register, for at most 100 rounds (a hook that keeps registering
-    itself to poll fails the overlap with RuntimeError). An exception in a hook fails
-    the overlap, with a note naming the ubatch that registered it.
+    stages). Hooks still pending at the end run before the overlap returns (those for a
+    ubatch that has returned, at the end of the ubatch that registered them), with the
+    ones they register, for at most 100 rounds (RuntimeError: a hook that keeps
+    registering itself to poll). An exception in a hook fails the overlap, with a note
+    naming the ubatch that registered it.
     Outside an overlap the hook runs at once (dropping it would lose the receive).
+    TypeError if `hook` is not callable.
     """
     if not callable(hook):
         raise TypeError(f"hook must be callable, got {hook!r}")
@@ -218,7 +212,7 @@ def blocking_wait(wait: Callable[..., Any], name: str, *args: Any) -> Any:
     recording, profiling = tracing._active, torch.autograd.profiler._is_profiler_enabled
     if recording is None and not profiling:
         return wait(*args)
-    context = current_context()
+    context = _state.context
     track = context.ubatch_id if context is not None else tracing.CALLER
     start = time.perf_counter()
     profile_range = tracing.begin_range(track, f"wait {name}") if profiling else None

@@ -50,15 +50,13 @@ class Baton:
         self._finished = False  # set before `_done` is released
         self.aborted = False
         self.abort_reason = ""
-        self._forced = False
-        """An abort that unwinds every ubatch at once, not one at a time in ring order."""
+        self._forced = False  # an abort that unwinds every ubatch at once, not in ring order
         self.holder: int | None = None
         """The ubatch holding the baton (None before start and after the last finish)."""
         self.holder_since = time.perf_counter()
         """When `holder` got the baton or last yielded alone: the watchdog's clock."""
         self.num_turns = 0
-        """Turns started, yields of a ubatch left alone included (the watchdog's sign
-        that the holder moved on even if `holder` reads the same)."""
+        """Turns started, lone yields included: the watchdog's sign of progress."""
         self._turn_start: list[float | None] = [None] * num_ubatches
         """When each ubatch's thread last woke holding the baton (None: never): where a
         traced turn starts, so that a wake-up's latency is a gap between turns."""
@@ -70,13 +68,14 @@ class Baton:
         If the run was aborted already (`close()`), wake every live ubatch instead: that
         abort's wake-ups may have come before the jobs did."""
         with self._mutex:
-            if not self.aborted:
+            if self.aborted:
+                self._forced = True
+                woken = [i for i, live in enumerate(self._live) if live]
+            else:
                 self._make_holder(0)
                 woken = [0]
-            else:
-                self._forced = True
-                woken = [i for i in range(self.num_ubatches) if self._live[i]]
-        self._wake_up(woken)
+        for ubatch_id in woken:
+            self._wake[ubatch_id].set()
 
     def wait_done(self, timeout_s: float | None = None) -> bool:
         """Block until every ubatch has finished; False if `timeout_s` passed first."""
@@ -101,16 +100,26 @@ class Baton:
                 self.abort_reason = reason
             if wake_all:
                 self._forced = True
-            woken = [
-                ubatch_id for ubatch_id in range(self.num_ubatches)
-                if wake_all and self._live[ubatch_id]
-            ]
-        self._wake_up(woken)
+            woken = [i for i, live in enumerate(self._live) if wake_all and live]
+        for ubatch_id in woken:
+            self._wake[ubatch_id].set()
 
     # ------------------------------------------------------------------ ubatch side
     def wait_turn(self, ubatch_id: int) -> None:
-        """Park until `ubatch_id` holds the baton; raise if the run was aborted meanwhile."""
-        self._park(ubatch_id)
+        """Park until `ubatch_id` holds the baton (or a forced abort); raise if aborted.
+
+        A wake-up is only a hint, `holder` is the truth: a set left over from an earlier
+        abort wakes a thread whose turn it is not, and it parks again. A plain abort
+        does not end the wait: each ubatch unwinds in its turn, not alongside the holder.
+        """
+        wake = self._wake[ubatch_id]
+        while self.holder != ubatch_id and not self._forced:
+            wake.wait()
+        self._turn_start[ubatch_id] = time.perf_counter()
+        if self.aborted:
+            raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
+        if profiler._is_profiler_enabled:  # a torch.profiler profile shows the turn
+            self._ranges[ubatch_id] = tracing.begin_range(ubatch_id, "turn")
 
     def yield_(self, ubatch_id: int) -> None:
         """Hand the baton to the next live ubatch and park until it comes back.
@@ -133,8 +142,7 @@ class Baton:
             if successor == ubatch_id:
                 # Left alone: nobody to hand the baton to, but a yield point is still
                 # progress, and the watchdog bounds the time between two of them.
-                self.holder_since = time.perf_counter()
-                self.num_turns += 1
+                self._make_holder(ubatch_id)
                 return
             now = time.perf_counter()
             recording = tracing._active
@@ -149,7 +157,7 @@ class Baton:
         # Wake the successor and park at once. Never wake under the mutex: on one core
         # the woken thread runs at once and would block on the mutex straight away.
         self._wake[successor].set()
-        self._park(ubatch_id)
+        self.wait_turn(ubatch_id)
 
     def finish(self, ubatch_id: int) -> None:
         """`ubatch_id` is done: pass the baton on if it held it, and signal the caller if
@@ -182,22 +190,6 @@ class Baton:
             self._wake[successor].set()
 
     # ------------------------------------------------------------------ internals
-    def _park(self, ubatch_id: int) -> None:
-        """Wait until `ubatch_id` holds the baton or a forced abort; raise if aborted.
-
-        A wake-up is only a hint, `holder` is the truth: a set left over from an earlier
-        abort wakes a thread whose turn it is not, and it parks again. A plain abort
-        does not end the wait: each ubatch unwinds in its turn, not alongside the holder.
-        """
-        wake = self._wake[ubatch_id]
-        while self.holder != ubatch_id and not self._forced:
-            wake.wait()
-        self._turn_start[ubatch_id] = time.perf_counter()
-        if self.aborted:
-            raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
-        if profiler._is_profiler_enabled:  # a torch.profiler profile shows the turn
-            self._ranges[ubatch_id] = tracing.begin_range(ubatch_id, "turn")
-
     def _next_live(self, ubatch_id: int) -> int:
         for step in range(1, self.num_ubatches + 1):
             candidate = (ubatch_id + step) % self.num_ubatches
@@ -210,7 +202,3 @@ class Baton:
         self.holder = ubatch_id
         self.holder_since = time.perf_counter()
         self.num_turns += 1
-
-    def _wake_up(self, ubatch_ids: list[int]) -> None:
-        for ubatch_id in ubatch_ids:
-            self._wake[ubatch_id].set()

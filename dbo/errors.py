@@ -40,10 +40,10 @@ def add_note(error: BaseException, note: str) -> None:
 
     Never raises: `error` is what the caller must get. `__notes__` that are not a list
     (code may set a tuple) become a list of the strings they held, plus this note."""
-    notes = getattr(error, "__notes__", None)
-    kept = [item for item in notes if isinstance(item, str)] if isinstance(
-        notes, (list, tuple)
-    ) else []
+    notes = getattr(error, "__notes__", [])
+    if not isinstance(notes, list | tuple):
+        notes = []
+    kept = [item for item in notes if isinstance(item, str)]
     if note not in kept:
         with contextlib.suppress(AttributeError, TypeError):
             error.__notes__ = [*kept, note]  # type: ignore[attr-defined]

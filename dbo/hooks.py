@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from dbo.api import yield_
 
 
+@dataclass(eq=False)  # hashable, compared by identity like the handles
 class YieldHooks:
     """The forward pre-hooks `yield_between` registered (`handles`); `remove()` them all."""
 
-    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]) -> None:
-        self.handles = handles
+    handles: list[torch.utils.hooks.RemovableHandle]
 
     def remove(self) -> None:
         for handle in self.handles:

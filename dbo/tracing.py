@@ -32,11 +32,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-CALLER = -1
-"""The `ubatch_id` of spans recorded outside a ubatch thread (the caller's thread)."""
+CALLER = -1  # the `ubatch_id` of spans recorded outside a ubatch thread
 
-DEFAULT_MAX_SPANS = 1_000_000
-"""The spans a trace keeps by default (a few hundred bytes each)."""
+DEFAULT_MAX_SPANS = 1_000_000  # spans a trace keeps by default (a few hundred bytes each)
 
 
 class Span(NamedTuple):
@@ -56,8 +54,8 @@ class Span(NamedTuple):
 
 @dataclass(frozen=True)
 class UBatchTotals:
-    """What one ubatch (or `CALLER`) did over a trace: its turns with the baton, the time it
-    held it, the time its thread was blocked in collective waits, and how many waits."""
+    """What one ubatch (or `CALLER`) did over a trace: turns with the baton, time holding
+    it, time its thread was blocked in collective waits, and how many waits."""
 
     turns: int
     baton_s: float
@@ -93,8 +91,7 @@ class Trace:
                 self.dropped += 1
 
     def _snapshot(self) -> list[Span]:
-        """The spans so far, one consistent set while overlaps still record."""
-        with self._lock:
+        with self._lock:  # one consistent set while overlaps still record
             return list(self.spans)
 
     def totals(self) -> dict[int, UBatchTotals]:
@@ -208,7 +205,7 @@ def begin_range(track: int, what: str) -> Any:
     """Begin a `torch.profiler` range (`record_function`) named `dbo/ubatch{track}/{what}`
     (`dbo/caller/...` for `CALLER`) on this thread; `end_range` ends it on the same thread.
     Callers check `torch.autograd.profiler._is_profiler_enabled` first."""
-    label = "caller" if track == CALLER else f"ubatch{track}"
+    label = _label(track).replace(" ", "")
     return torch.ops.profiler._record_function_enter_new(f"dbo/{label}/{what}", None)
 
 
@@ -231,11 +228,6 @@ def reset_after_fork() -> None:
         _active._lock = threading.Lock()
         _active.end_s = time.perf_counter()
     _active = None
-
-
-def active() -> Trace | None:
-    """The trace being recorded in this process, if any."""
-    return _active
 
 
 @contextmanager
