@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from _recording_backend import Recording
 
 import dbo
 from dbo._context import current_context
 from dbo._run import _MAX_RECV_HOOK_ROUNDS, OverlapRun, UBatchStreams
-from dbo.device import CpuBackend, CpuEvent, CpuStream
+from dbo.device import CpuStream
 
 TIMEOUT_S = 30.0
 
@@ -238,27 +239,8 @@ def test_a_returned_ubatch_runs_every_hook_the_previous_one_registers_as_it_goes
 # ----------------------------------------------------------------------- stream order
 
 
-class _Recording(CpuBackend):
-    """Logs each event recorded (its stream) and each wait (waiting stream, event's stream)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list[tuple[str, ...]] = []
-
-    def record_event(self, stream: CpuStream) -> CpuEvent:
-        self.log.append(("record", stream.name))
-        return super().record_event(stream)
-
-    def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
-        self.log.append(("wait", stream.name, event.stream.name))
-        super().wait_event(stream, event)
-
-    def waits(self) -> list[tuple[str, ...]]:
-        return [entry[1:] for entry in self.log if entry[0] == "wait"]
-
-
-def _run_of(num_ubatches: int) -> tuple[OverlapRun, _Recording, list[UBatchStreams]]:
-    backend = _Recording()
+def _run_of(num_ubatches: int) -> tuple[OverlapRun, Recording, list[UBatchStreams]]:
+    backend = Recording()
     streams = [
         UBatchStreams(CpuStream(f"compute{i}"), CpuStream(f"comm{i}")) for i in range(num_ubatches)
     ]
@@ -294,7 +276,7 @@ def test_a_recv_hook_runs_on_its_owners_comm_stream() -> None:
     ))
     assert _run_on(run, streams[0].comm, 0)
     assert received == ["comm1"]
-    assert backend.log == [
+    assert backend.ordering() == [
         ("record", "compute1"),  # at registration: the send
         ("wait", "comm1", "compute1"),  # before the hook
         ("record", "comm1"), ("wait", "compute1", "comm1"),  # after it
@@ -312,7 +294,7 @@ def test_a_hook_run_by_its_own_ubatch_stays_on_its_stream_after_its_send() -> No
     ))  # for ubatch 1, which has returned
     assert _run_on(run, streams[0].compute, 1, running=0)
     assert received == ["compute0"]
-    assert backend.log == [("record", "comm0"), ("wait", "compute0", "comm0")]
+    assert backend.ordering() == [("record", "comm0"), ("wait", "compute0", "comm0")]
 
 
 def test_a_two_stage_hook_runs_both_stages_on_its_first_owners_comm_stream() -> None:

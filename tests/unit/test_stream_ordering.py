@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _recording_backend import Recording
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import comm
@@ -24,26 +25,6 @@ from dbo import runner as runner_module
 from dbo._context import current_context
 from dbo.device import CpuBackend, CpuEvent, CpuStream
 from dbo.runner import RunnerState
-
-
-class Recording(CpuBackend):
-    """A CPU backend that logs each event recorded, each wait and each stream made current."""
-
-    def __init__(self, log: list[tuple[str, ...]]) -> None:
-        super().__init__()
-        self.log = log
-
-    def record_event(self, stream: CpuStream) -> CpuEvent:
-        self.log.append(("record", stream.name))
-        return super().record_event(stream)
-
-    def wait_event(self, stream: CpuStream, event: CpuEvent) -> None:
-        self.log.append(("wait", stream.name, event.stream.name))
-        super().wait_event(stream, event)
-
-    def set_current_stream(self, stream: CpuStream) -> None:
-        self.log.append(("current", stream.name))
-        super().set_current_stream(stream)
 
 
 @pytest.fixture
