@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-import dbo
+import dbo.runner
 
 MAX_DELAY_S = 1.0
 """The longest the caller may take to raise after the fault."""
@@ -230,6 +230,8 @@ def main() -> None:
     cases = table()
     for case in cases:
         check(case, baseline)
+    # What the exit would wait for (`dbo.wait_at_exit`): nothing may be left running.
+    assert not any(still_running(0) for still_running in dbo.runner._left_running)
     print(f"ok {len(cases)} cases {time.time()}", flush=True)
 
 

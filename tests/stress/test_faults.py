@@ -50,20 +50,30 @@ def test_a_fault_in_one_process_reaches_the_caller_and_leaves_no_thread_parked(
     check(case, baseline_threads)
 
 
+def _exit_delay_s(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run `python *args`, whose stdout ends with `time.time()` as its work ends; return
+    the process and how long its exit took from then (interpreter finalization)."""
+    completed = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=50
+    )
+    ended = time.time()
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    return completed, ended - float(completed.stdout.split()[-1])
+
+
 @pytest.mark.stress
 @pytest.mark.timeout(60)
 def test_after_every_fault_the_interpreter_exits_at_once_with_status_zero() -> None:
     script = Path(__file__).with_name("_one_process_faults.py")
-    started = time.time()
-    completed = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=50
-    )
-    ended = time.time()
-    assert completed.returncode == 0, completed.stdout + completed.stderr
+    completed, exit_s = _exit_delay_s(str(script))
     assert completed.stdout.startswith(f"ok {len(table())} cases"), completed.stdout
     assert UNFINALIZED not in completed.stderr, completed.stderr  # nothing was left running
-    done_at = float(completed.stdout.split()[-1])
-    assert ended - done_at < 1.0, f"exit took {ended - done_at:.2f} s ({ended - started:.1f} s)"
+    # Finalizing torch alone takes from 0.3 s to over 1 s on a loaded machine: compare with
+    # an interpreter that imports the same and overlaps once, measured now.
+    _, bare_s = _exit_delay_s(
+        "-c", "import time, torch, dbo; dbo.overlap(torch.neg)(torch.ones(4)); print(time.time())"
+    )
+    assert exit_s < bare_s + 1.0, f"exit took {exit_s:.2f} s, a plain one {bare_s:.2f} s"
 
 
 # ------------------------------------------------------------------------ the exit status
