@@ -20,7 +20,7 @@ def shard_experts(
     """Keep only this rank's experts in every sparse MoE block of `model`, in place, and
     route the tokens to them through `comm.moe.dispatch`/`combine`.
 
-    A block (`transformers` >= 5: Mixtral, Qwen2-MoE, Qwen3-MoE and their kin) is a module
+    A block (`transformers` >= 5: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS, ...) is a module
     with an `experts` child whose own parameters are stacked `[num_experts, ...]` and a
     router child whose `weight` is `[num_experts, hidden]`. Rank r of `group` (None: the
     default group) keeps experts `[r * E_local, (r + 1) * E_local)`. The block's forward
