@@ -8,15 +8,16 @@
     # no torchrun (a fresh machine, `make demo-hf`): spawn 2 gloo ranks on a free port
     python examples/hf_moe.py --spawn 2
 
-A tiny random-weight Qwen3-MoE (`--model` also Qwen2-MoE or Mixtral) is built from its
-`transformers` config, the same on every rank (no hub access; with a checkpoint, load
-it with `from_pretrained` first). `comm.moe.shard_experts(model)` keeps each rank's share
-of the experts and routes the tokens through `comm.moe.dispatch`/`combine`, which yield
-to the other ubatch while in flight; `dbo.yield_between(model.model.layers)` passes the
-baton between the decoder layers too; `dbo.overlap(model, no_split=["position_ids"])`
-splits the batch of sequences into two ubatches and gives both the [1, S] positions
-whole. The checks, the table and the traces are those of `examples/moe_overlap.py`.
-Needs `transformers` (the `hf` extra).
+A tiny random-weight Qwen3-MoE (`--model`: also Qwen2-MoE, Mixtral, DeepSeek-V3 or
+GPT-OSS) is built from its `transformers` config, the same on every rank (no hub access;
+with a checkpoint, load it with `from_pretrained` first).
+`comm.moe.shard_experts(model)` keeps each rank's share of the experts and routes the
+tokens through `comm.moe.dispatch`/`combine`, which yield to the other ubatch while in
+flight; `dbo.yield_between(model.model.layers)` passes the baton between the decoder
+layers too; `dbo.overlap(model, no_split=["position_ids"])` splits the batch of
+sequences into two ubatches and gives both the [1, S] positions whole. The checks, the
+table and the traces are those of `examples/moe_overlap.py`. Needs `transformers` (the
+`hf` extra).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ import torch
 import comm
 import dbo
 
+MODELS = ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+
 
 def build_model(
     kind: str, layers: int, hidden: int, experts: int, topk: int, vocab: int
 ) -> torch.nn.Module:
-    """A random-weight MoE causal LM of `kind` ("qwen3_moe", "qwen2_moe" or "mixtral")
-    from its config, the same weights on every rank; 4 heads, so `hidden` % 4 == 0."""
+    """A random-weight MoE causal LM of `kind` (one of `MODELS`) from its config, the same
+    weights on every rank; 4 heads, so `hidden` % 4 == 0 (DeepSeek-V3: % 8)."""
     import transformers
 
     common: dict[str, Any] = dict(
@@ -52,6 +55,22 @@ def build_model(
             shared_expert_intermediate_size=2 * hidden, **common,
         )
         model_type = transformers.Qwen2MoeForCausalLM
+    elif kind == "deepseek_v3":  # a shared expert, group-limited routing, latent attention
+        common["num_key_value_heads"] = 4
+        rope, groups = hidden // 8, 2 if experts % 2 == 0 else 1
+        config = transformers.DeepseekV3Config(
+            n_routed_experts=experts, moe_intermediate_size=hidden, n_group=groups,
+            topk_group=1, first_k_dense_replace=0, kv_lora_rank=hidden // 2,
+            q_lora_rank=hidden // 2, qk_rope_head_dim=rope, qk_nope_head_dim=rope,
+            v_head_dim=rope, **common,
+        )
+        model_type = transformers.DeepseekV3ForCausalLM
+    elif kind == "gpt_oss":  # biases in the router and the experts
+        common["intermediate_size"] = hidden
+        config = transformers.GptOssConfig(
+            num_local_experts=experts, head_dim=hidden // 4, **common
+        )
+        model_type = transformers.GptOssForCausalLM
     else:
         config = transformers.Qwen3MoeConfig(
             num_experts=experts, moe_intermediate_size=hidden, head_dim=hidden // 4, **common
@@ -94,7 +113,7 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--model", choices=["qwen3_moe", "qwen2_moe", "mixtral"], default="qwen3_moe",
+        "--model", choices=MODELS, default="qwen3_moe",
         help="the transformers model family (default qwen3_moe)",
     )
     parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")

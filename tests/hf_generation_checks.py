@@ -17,7 +17,7 @@ from hf_moe import build_model  # noqa: E402 - the example's builder
 
 VOCAB = 64
 PAD = 0
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "qwen2"]  # three MoE families and a dense one
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen2"]  # MoE ones, a dense one
 
 
 def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:

@@ -1,6 +1,6 @@
 """Hugging Face MoE models over two gloo ranks: `comm.moe.shard_experts` equals the
-unsharded model (outputs and gradients) for five families, and `examples/hf_moe.py` runs
-end to end."""
+unsharded model (outputs and gradients) for the example's five families, and
+`examples/hf_moe.py` runs end to end."""
 
 from __future__ import annotations
 
@@ -22,37 +22,9 @@ pytestmark = pytest.mark.distributed
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from hf_moe import build_model  # noqa: E402
+from hf_moe import MODELS, build_model  # noqa: E402
 
 ROWS_PER_RANK = 2
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
-
-
-def _tiny_moe(kind: str) -> torch.nn.Module:
-    """The example's families, and two whose blocks differ from theirs: DeepSeek-V3 (a
-    shared expert, group-limited routing) and GPT-OSS (expert and router biases)."""
-    if kind not in ("deepseek_v3", "gpt_oss"):
-        return build_model(kind, 2, 32, 4, 2, 64)
-    import transformers
-
-    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_experts_per_tok=2, use_cache=False)
-    if kind == "deepseek_v3":
-        config = transformers.DeepseekV3Config(
-            intermediate_size=64, moe_intermediate_size=32, num_key_value_heads=4,
-            n_routed_experts=4, n_group=2, topk_group=1, first_k_dense_replace=0,
-            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-            v_head_dim=8, **common,
-        )
-        model_type = transformers.DeepseekV3ForCausalLM
-    else:
-        config = transformers.GptOssConfig(
-            intermediate_size=32, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-            **common,
-        )
-        model_type = transformers.GptOssForCausalLM
-    torch.manual_seed(0)
-    return model_type(config).eval()
 
 
 def _check_sharded_models_equal_the_unsharded_ones() -> list[str]:
@@ -64,8 +36,8 @@ def _check_sharded_models_equal_the_unsharded_ones() -> list[str]:
     else:
         raise AssertionError("3 experts over 2 ranks were sharded")
     checked = []
-    for kind in FAMILIES:
-        model = _tiny_moe(kind)
+    for kind in MODELS:
+        model = build_model(kind, 2, 32, 4, 2, 64)
         reference = copy.deepcopy(model)
         blocks = comm.moe.shard_experts(model)
         # Every rank builds the whole batch; rank r runs its rows, the reference all of them.
@@ -96,7 +68,7 @@ def _check_sharded_models_equal_the_unsharded_ones() -> list[str]:
 def test_sharded_models_over_two_ranks_equal_the_unsharded_ones_with_gradients() -> None:
     results = expect_ok(run_world(_check_sharded_models_equal_the_unsharded_ones,
                                   world_size=2, timeout_s=150))
-    assert results == [FAMILIES] * 2
+    assert results == [MODELS] * 2
 
 
 @pytest.mark.timeout(180)
