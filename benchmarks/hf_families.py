@@ -1,0 +1,130 @@
+"""Which `transformers` causal-LM families generate the same tokens under DBO.
+
+    .venv/bin/python benchmarks/hf_families.py                   # every family: ~1 hour
+    .venv/bin/python benchmarks/hf_families.py --only mixtral,gemma2 --json
+
+For each model type transformers maps to a causal LM, a tiny random-weight model is built
+from its config (2 layers, hidden 32, 4 experts top-2 where it has experts) and
+`generate` runs greedy, 5 new tokens for 4 left-padded prompts, with and without
+`dbo.hf.overlap_generation` (every call split); and `dbo.overlap(model)` runs one forward
+without a cache against the two halves in turn. A family's outcome:
+
+  equal        the same tokens, and the overlapped forward bitwise the halves'
+  WRONG        different tokens or logits: a silent wrong result, the bug to fix first
+  refused      dbo refused it, naming what it cannot split (sliding-window layers, ...)
+  FAILED       another error under dbo only: a bug
+  no model     the tiny config does not build or generate without dbo: not dbo's case
+
+Each family runs in its own process, with a timeout (some build slowly). The exit status
+is 1 if any family is WRONG or FAILED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL: dict[str, Any] = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+    first_k_dense_replace=0, max_position_embeddings=256, kv_lora_rank=16, q_lora_rank=16,
+    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
+)
+"""Set on a family's config (and its text_config) where it has the attribute."""
+
+
+def build(kind: str, kv_heads: int) -> Any:
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = transformers.AutoConfig.for_model(kind)
+    for target in (config, getattr(config, "text_config", None)):
+        for name, value in {**SMALL, "num_key_value_heads": kv_heads}.items():
+            if target is not None and hasattr(target, name):
+                setattr(target, name, value)
+    torch.manual_seed(0)
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config).eval()
+
+
+def check(kind: str) -> dict[str, Any]:
+    """One family's outcome (in a process of its own)."""
+    import torch
+
+    import dbo
+
+    ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[3, :1] = 0
+    ids[mask == 0] = 0
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True)
+    try:
+        try:
+            model = build(kind, kv_heads=2)
+            expected = model.generate(ids, attention_mask=mask, **options)
+        except Exception:  # noqa: BLE001 - latent attention (MLA) wants as many kv heads
+            model = build(kind, kv_heads=4)
+            expected = model.generate(ids, attention_mask=mask, **options)
+    except Exception as error:  # noqa: BLE001 - the tiny config is not a model
+        return {"outcome": "no model", "why": f"{type(error).__name__}: {error}"[:200]}
+    try:
+        with dbo.hf.overlap_generation(model, min_prefill_tokens=0, min_decode_tokens=0,
+                                       timeout_s=60):
+            got = model.generate(ids, attention_mask=mask, **options)
+        with torch.no_grad():
+            logits = dbo.overlap(model, timeout_s=60)(ids, attention_mask=mask).logits
+            halves = [model(i, attention_mask=m).logits
+                      for i, m in zip(ids.tensor_split(2), mask.tensor_split(2))]
+    except ValueError as error:
+        return {"outcome": "refused", "why": str(error)[:200]}
+    except Exception as error:  # noqa: BLE001 - what works without dbo must work with it
+        return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+    same = torch.equal(got, expected) and torch.equal(logits, torch.cat(halves))
+    return {"outcome": "equal" if same else "WRONG"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated model types (default: every one)")
+    parser.add_argument("--timeout-s", type=float, default=240.0)
+    parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-family process
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(check(args.one)))
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kinds = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    results: dict[str, dict[str, Any]] = {}
+    for kind in kinds:
+        try:
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", kind], capture_output=True, text=True,
+                timeout=args.timeout_s, cwd=ROOT,
+            )
+            last = done.stdout.strip().splitlines()[-1:] or ["{}"]
+            results[kind] = json.loads(last[0]) or {"outcome": "no model", "why": "crashed"}
+        except subprocess.TimeoutExpired:
+            results[kind] = {"outcome": "no model", "why": f"over {args.timeout_s:g} s"}
+        print(f"{kind:28s} {results[kind]['outcome']:9s} {results[kind].get('why', '')[:90]}",
+              file=sys.stderr, flush=True)
+    counts = Counter(result["outcome"] for result in results.values())
+    print(", ".join(f"{count} {outcome}" for outcome, count in sorted(counts.items())))
+    if args.json:
+        print(json.dumps({"counts": counts, "families": results}))
+    sys.exit(1 if counts["WRONG"] or counts["FAILED"] else 0)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
