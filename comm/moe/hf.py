@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -38,8 +39,8 @@ def shard_experts(
     transformers, `experts_implementation="batched_mm"` or `"grouped_mm"`).
 
     Returns the names of the blocks changed; ValueError naming the model's class when it
-    has none (or only sharded ones), and when an expert count is not divisible by the
-    group's size.
+    has none (or only sharded ones), when an expert count is not divisible by the group's
+    size, and naming the block when its experts' forward takes no routing (Llama 4's).
     """
     base = resolve_group(group)
     blocks = [(name, module) for name, module in model.named_modules() if _num_experts(module)]
@@ -55,6 +56,15 @@ def shard_experts(
                 f"{name} has {_num_experts(block)} experts, which do not split evenly over "
                 f"the {base.size()} ranks of the group; use a group whose size divides it"
             )
+        try:  # the rows and their routing: what the sharded forward sends to the ranks
+            inspect.signature(type(block.experts).forward).bind(block.experts, *"xiw")
+        except TypeError:
+            raise ValueError(
+                f"shard_experts cannot route {name}.experts ({type(block.experts).__name__}): "
+                "its forward does not take (hidden_states, top_k_index, top_k_weights); a "
+                "block that weights every token for every expert before its experts (Llama "
+                "4's) has no routing to send tokens by, and is not supported"
+            ) from None
     if capacity is not None:
         check_capacity(capacity)
     for _, block in blocks:

@@ -147,6 +147,27 @@ def test_an_expert_count_the_group_does_not_divide_is_refused_before_any_change(
     assert {name: param.shape for name, param in model.named_parameters()} == before
 
 
+def test_a_block_whose_experts_take_weighted_tokens_is_refused_before_any_change(
+    world_of_one: None,
+) -> None:
+    """Llama 4's block weights every token for every expert before its experts module,
+    which takes only those rows: nothing to route by. Refused when sharding, not at the
+    first forward."""
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=1,
+    )
+    model = transformers.Llama4ForCausalLM(config).eval()
+    before = {name: param.shape for name, param in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.feed_forward\.experts "
+                                         r"\(Llama4TextExperts\).*top_k_index"):
+        comm.moe.shard_experts(model)
+    assert {name: param.shape for name, param in model.named_parameters()} == before
+
+
 def test_a_loss_stops_the_merge_and_a_cache_made_in_the_ubatches_is_joined(
     world_of_one: None,
 ) -> None:
