@@ -56,8 +56,10 @@ def shard_experts(
                 f"{name} has {_num_experts(block)} experts, which do not split evenly over "
                 f"the {base.size()} ranks of the group; use a group whose size divides it"
             )
-        try:  # the rows and their routing: what the sharded forward sends to the ranks
-            inspect.signature(type(block.experts).forward).bind(block.experts, *"xiw")
+        try:  # the sharded forward calls it with the rows and their routing
+            inspect.signature(type(block.experts).forward).bind(
+                block.experts, "hidden_states", "top_k_index", "top_k_weights"
+            )
         except TypeError:
             raise ValueError(
                 f"shard_experts cannot route {name}.experts ({type(block.experts).__name__}): "
