@@ -6,8 +6,8 @@
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, hidden 32, 4 experts top-2 where it has experts) and
 `generate` runs greedy, 5 new tokens for 4 left-padded prompts, with and without
-`dbo.hf.overlap_generation` (every call split); and `dbo.overlap(model)` runs one forward
-without a cache against the two halves in turn. A family's outcome:
+`dbo.hf.overlap_generation` (every call split); and `dbo.overlap(model)` runs one forward,
+no cache passed in, against the two halves in turn. A family's outcome:
 
   equal        the same tokens, and the overlapped forward bitwise the halves'
   WRONG        different tokens or logits: a silent wrong result, the bug to fix first
@@ -112,8 +112,9 @@ def main() -> None:
                 [sys.executable, __file__, "--one", kind], capture_output=True, text=True,
                 timeout=args.timeout_s, cwd=ROOT,
             )
-            last = done.stdout.strip().splitlines()[-1:] or ["{}"]
-            results[kind] = json.loads(last[0]) or {"outcome": "no model", "why": "crashed"}
+            last = (done.stdout.strip().splitlines() or [""])[-1]
+            results[kind] = (json.loads(last) if last.startswith("{") else None) or {
+                "outcome": "no model", "why": f"crashed (status {done.returncode})"}
         except subprocess.TimeoutExpired:
             results[kind] = {"outcome": "no model", "why": f"over {args.timeout_s:g} s"}
         print(f"{kind:28s} {results[kind]['outcome']:9s} {results[kind].get('why', '')[:90]}",
