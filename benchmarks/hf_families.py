@@ -11,7 +11,7 @@ no cache passed in, against the two halves in turn. A family's outcome:
 
   equal        the same tokens, and the overlapped forward bitwise the halves'
   WRONG        different tokens or logits: a silent wrong result, the bug to fix first
-  refused      dbo refused it, naming what it cannot split (sliding-window layers, ...)
+  refused      dbo refused it, naming what it cannot split (linear-attention layers, ...)
   FAILED       another error under dbo only: a bug
   no model     the tiny config does not build or generate without dbo: not dbo's case
 
@@ -37,9 +37,10 @@ SMALL: dict[str, Any] = dict(
     n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
     first_k_dense_replace=0, max_position_embeddings=256, kv_lora_rank=16, q_lora_rank=16,
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0, bos_token_id=1,
-    eos_token_id=2,
+    eos_token_id=2, sliding_window=4,
 )
-"""Set on a family's config (and its text_config) where it has the attribute."""
+"""Set on a family's config (and its text_config) where it has the attribute; a window of
+4 tokens, which the 6-token prompts overflow."""
 
 
 def build(kind: str, kv_heads: int) -> Any:

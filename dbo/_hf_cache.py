@@ -8,14 +8,17 @@ cache the caller holds, and that cache stays a true cache of every row after eac
 - `DynamicCache` (grows by one `torch.cat` of the whole layer per call in `transformers`):
   each layer's keys and values live in a `[B, H, capacity, D]` buffer with room to grow
   (`dbo._hf_growing`); the caller's layer holds a view of the filled part, each ubatch a
-  view of its rows, and a call writes only its new tokens.
+  view of its rows, and a call writes only its new tokens. Its sliding-window layers
+  (a window of the last tokens, remade by `torch.cat` every call in `transformers`): each
+  ubatch runs the layer's own update on views of its rows, and the call's end joins the
+  ubatches' windows (one more copy of the window per call).
 
 The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
-or not the function returns the cache. Caches of other kinds, layers of other kinds
-(sliding windows, quantized, linear attention) and offloading are refused, named. Caches that the
-ubatches create themselves (a forward called without one, `use_cache=True`) are joined
-once along the batch. This module imports `transformers`: `dbo` imports it only once
-`transformers` is (a cache is met, or `dbo.hf` is used).
+or not the function returns the cache. Caches of other kinds, layers of other kinds (a
+StaticCache's sliding windows, quantized, linear attention) and offloading are refused,
+named. Caches that the ubatches create themselves (a forward called without one,
+`use_cache=True`) are joined once along the batch. This module imports `transformers`:
+`dbo` imports it only once `transformers` is (a cache is met, or `dbo.hf` is used).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers.cache_utils import (
     Cache,
     DynamicCache,
     DynamicLayer,
+    DynamicSlidingWindowLayer,
     StaticCache,
     StaticLayer,
 )
@@ -64,8 +68,12 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     call.growing = growing = growing_state(cache, batch_size, len(rows))
     for ubatch, (start, stop) in enumerate(bounds):
         child = _child(cache, call, [])
-        child.layers = [GrowingRows(shared, call, ubatch, start, stop)
-                        for shared in growing.layers]
+        child.layers = [
+            _WindowRows(layer, call, ubatch, start, stop, batch_size)
+            if type(layer) is DynamicSlidingWindowLayer
+            else GrowingRows(shared, call, ubatch, start, stop)
+            for layer, shared in zip(cache.layers, growing.layers)
+        ]
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
             child.layer_class_to_replicate = NewLayer(call, child, ubatch, start, stop)
         call.children.append(child)
@@ -115,8 +123,11 @@ class _Call:
         if self.growing is not None:
             while len(self.whole.layers) < len(self.growing.layers):
                 self.whole.layers.append(self.whole.layer_class_to_replicate())
-            for layer, shared in zip(self.whole.layers, self.growing.layers):
-                shared.finish(layer)
+            for index, (layer, shared) in enumerate(zip(self.whole.layers, self.growing.layers)):
+                if type(layer) is DynamicSlidingWindowLayer:
+                    _join_windows(layer, [child.layers[index] for child in self.children])
+                else:
+                    shared.finish(layer)
             return
         for index, layer in enumerate(self.whole.layers):
             written = {child.layers[index].written for child in self.children}
@@ -134,12 +145,13 @@ class _Call:
 
 
 def _check_supported(cache: Any) -> None:
-    supported = {DynamicCache: DynamicLayer, StaticCache: StaticLayer}
-    layer_kind = supported.get(type(cache))
-    odd = [type(layer).__name__ for layer in cache.layers if type(layer) is not layer_kind]
+    supported = {DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer),
+                 StaticCache: (StaticLayer,)}
+    layer_kinds = supported.get(type(cache), ())
+    odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
     lazy = cache.layer_class_to_replicate
-    if layer_kind is None or odd or getattr(cache, "offloading", False) or (
-        lazy is not None and lazy is not layer_kind
+    if not layer_kinds or odd or getattr(cache, "offloading", False) or (
+        lazy is not None and lazy is not layer_kinds[0]
     ):
         what = f"a {type(cache).__name__}"
         if odd:
@@ -147,10 +159,10 @@ def _check_supported(cache: Any) -> None:
         elif getattr(cache, "offloading", False):
             what += " that offloads"
         raise ValueError(
-            f"dbo.overlap splits a transformers DynamicCache or StaticCache of full-attention "
-            f"layers (DynamicLayer, StaticLayer) by rows, but got {what}; pass use_cache=False "
-            "(or cache_implementation='dynamic' or 'static'), or register a rule for it with "
-            "dbo.register_split_rule"
+            f"dbo.overlap splits a transformers DynamicCache (of DynamicLayer and "
+            f"DynamicSlidingWindowLayer layers) or a StaticCache of StaticLayer layers by rows, "
+            f"but got {what}; pass use_cache=False (or cache_implementation='dynamic'), or "
+            "register a rule for it with dbo.register_split_rule"
         )
 
 
@@ -176,17 +188,18 @@ def _joined(parts: list[Any]) -> Any:
     joined = copy.copy(parts[0])
     joined.layers = []
     for layers in zip(*(part.layers for part in parts)):
-        if any(type(layer) is not DynamicLayer for layer in layers):
+        kind = type(layers[0])
+        if kind not in (DynamicLayer, DynamicSlidingWindowLayer) or any(
+            type(layer) is not kind for layer in layers
+        ):
             raise ValueError(
-                "the ubatches returned DynamicCaches with layers other than DynamicLayer "
-                f"({', '.join(type(layer).__name__ for layer in layers)}), which dbo cannot "
-                "join; pass use_cache=False"
+                "the ubatches returned DynamicCaches with layers other than DynamicLayer and "
+                f"DynamicSlidingWindowLayer ({', '.join(type(layer).__name__ for layer in layers)}"
+                "), which dbo cannot join; pass use_cache=False"
             )
-        layer = DynamicLayer()
+        layer = kind(layers[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
         if all(part.is_initialized for part in layers):
-            layer.lazy_initialization(layers[0].keys, layers[0].values)
-            layer.keys = torch.cat([part.keys for part in layers])
-            layer.values = torch.cat([part.values for part in layers])
+            _fill(layer, list(layers))
         joined.layers.append(layer)
     return joined
 
@@ -240,3 +253,70 @@ class _StaticRows(StaticLayer):
         self.batch_size = self.rows.stop - self.rows.start
         self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
         self.is_initialized = True
+
+
+class _WindowRows(DynamicSlidingWindowLayer):
+    """Rows [start, stop) of a whole `DynamicSlidingWindowLayer`, as one ubatch's layer:
+    `transformers`' own update on views of the rows. It makes new tensors and leaves the
+    caller's layer untouched; the call's end joins the ubatches' windows into the caller's
+    layer (`_join_windows`: one copy of the window, as the layer's own update makes)."""
+
+    def __init__(
+        self, whole: Any, call: _Call, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
+        super().__init__(whole.sliding_window)
+        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
+        self.call, self.ubatch = call, ubatch
+        self.run: object = None
+        self._take_rows()
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own update on this ubatch's rows, from the caller's layer as it is
+        at this run's start (`capture_graph` runs the same parts more than once)."""
+        self.call.enter(self.ubatch)
+        if self.run is not run_state():
+            self.run = run_state()
+            self._take_rows()
+        self.updated = True
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _take_rows(self) -> None:
+        whole = self.whole
+        self.__dict__.update(whole.__dict__)
+        self.updated = False
+        if whole.is_initialized and whole.keys.ndim == 4:
+            check_rows("DynamicCache", whole.keys.shape[0], self.whole_batch)
+            self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
+
+
+def _join_windows(whole: Any, parts: list[_WindowRows]) -> None:
+    """The caller's sliding-window layer after a call: the ubatches' windows, joined."""
+    if not any(part.updated for part in parts):
+        return
+    if not all(part.updated for part in parts):
+        raise RuntimeError(
+            "some ubatches did not write into a sliding-window cache layer the others wrote "
+            "into; each must run the same forward on its rows"
+        )
+    _fill(whole, parts)
+    for part in parts:
+        part.updated = False
+
+
+def _fill(whole: Any, parts: list[Any]) -> None:
+    """`whole` holds the rows of `parts` (DynamicLayers, or sliding windows of one length)."""
+    if isinstance(whole, DynamicSlidingWindowLayer):
+        lengths = {part.cumulative_length for part in parts}
+        if len(lengths) != 1:
+            raise RuntimeError(
+                "the ubatches wrote different numbers of tokens into one sliding-window "
+                f"cache layer ({[part.cumulative_length for part in parts]}); each must run "
+                "the same forward on its rows"
+            )
+        (whole.cumulative_length,) = lengths
+    if not whole.is_initialized:
+        whole.lazy_initialization(parts[0].keys, parts[0].values)
+    whole.keys = torch.cat([part.keys for part in parts])
+    whole.values = torch.cat([part.values for part in parts])

@@ -17,20 +17,31 @@ from hf_moe import build_model  # noqa: E402 - the example's builder
 
 VOCAB = 64
 PAD = 0
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen2"]  # MoE ones, a dense one
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2", "mistral"]
+"""MoE ones and dense ones; GPT-OSS (alternating) and Mistral (every layer) attend through
+sliding windows of `WINDOW` tokens, which a prompt and a few new tokens overflow."""
+WINDOW = 4
+SLIDING = ("gpt_oss", "mistral")
 
 
 def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
     """A 2-layer random-weight causal LM of `kind`, generating with a KV cache."""
-    if kind == "qwen2":
-        import transformers
+    import transformers
 
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2,
+    dense = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**dense)).eval()
+    elif kind == "mistral":
+        config = transformers.MistralConfig(sliding_window=WINDOW, **dense)
+        model = transformers.MistralForCausalLM(config).eval()
+    elif kind == "gpt_oss":
+        config = transformers.GptOssConfig(
+            num_local_experts=num_experts, num_experts_per_tok=2, head_dim=8,
+            sliding_window=WINDOW, **{**dense, "intermediate_size": 32},
         )
-        model = transformers.Qwen2ForCausalLM(config).eval()
+        model = transformers.GptOssForCausalLM(config).eval()
     else:
         model = build_model(kind, layers=2, hidden=32, experts=num_experts, topk=2, vocab=VOCAB)
     model.generation_config.use_cache = True

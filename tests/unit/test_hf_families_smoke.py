@@ -1,5 +1,6 @@
-"""`benchmarks/hf_families.py` tells a family that generates the same tokens under DBO
-from one dbo refuses (sliding-window layers), its --json too."""
+"""`benchmarks/hf_families.py` tells families that generate the same tokens under DBO
+(one with sliding-window layers among them) from one dbo refuses (Mamba's linear-attention
+layers), its --json too."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_families.py"
 @pytest.mark.timeout(180)
 def test_the_families_survey_reports_equal_and_refused_families() -> None:
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "qwen2_moe,gemma2", "--json"],
+        [sys.executable, str(SCRIPT), "--only", "qwen2_moe,gemma2,mamba", "--json"],
         capture_output=True, text=True, timeout=170,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     result = json.loads(completed.stdout.splitlines()[-1])
     families = result["families"]
     assert families["qwen2_moe"] == {"outcome": "equal"}, families
-    assert families["gemma2"]["outcome"] == "refused", families
-    assert "DynamicSlidingWindowLayer" in families["gemma2"]["why"], families
-    assert result["counts"] == {"equal": 1, "refused": 1}
+    assert families["gemma2"] == {"outcome": "equal"}, families
+    assert families["mamba"]["outcome"] == "refused", families
+    assert "LinearAttentionLayer" in families["mamba"]["why"], families
+    assert result["counts"] == {"equal": 2, "refused": 1}

@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_generation_checks import (  # noqa: E402
     KINDS,
+    SLIDING,
+    WINDOW,
     both,
     eos_that_stops_row_zero,
     generate,
@@ -51,6 +53,10 @@ def test_overlap_generation_is_token_identical_greedy_and_sampled_with_rows_stop
     model = tiny_model(kind)
     ids, mask = prompts(5, 7, seed=3)
     options: dict[str, Any] = dict(max_new_tokens=32, cache_implementation=cache)
+    if kind in SLIDING and cache == "static":
+        with pytest.raises(ValueError, match="StaticSlidingWindowLayer layers"):
+            both(model, ids, mask, ALWAYS, **options)
+        return
     for sample in (False, True):
         eos = eos_that_stops_row_zero(model, ids, mask, do_sample=sample, **options)
         expected, got = both(model, ids, mask, ALWAYS, do_sample=sample, eos_token_id=eos,
@@ -114,6 +120,27 @@ def test_the_cache_generate_returns_equals_the_one_without_dbo() -> None:
             torch.testing.assert_close(mine.values, theirs.values)
 
 
+@pytest.mark.parametrize("kind", SLIDING)
+def test_sliding_window_layers_hold_the_windows_and_lengths_of_generate_without_dbo(
+    kind: str,
+) -> None:
+    """Each call's windows are those of transformers' own layer, rows in place, whether the
+    call overflows the window or not (prompts shorter and longer than it)."""
+    model = tiny_model(kind)
+    for length in (WINDOW - 2, WINDOW + 3):
+        ids, mask = prompts(5, length, seed=length)
+        options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        expected, got = both(model, ids, mask, ALWAYS, **options)
+        assert torch.equal(got.sequences, expected.sequences), length
+        kinds = [type(layer).__name__ for layer in got.cache.layers]
+        assert "DynamicSlidingWindowLayer" in kinds, kinds
+        for mine, theirs in zip(got.cache.layers, expected.cache.layers):
+            assert type(mine) is type(theirs)
+            assert mine.get_seq_length() == theirs.get_seq_length()
+            torch.testing.assert_close(mine.keys, theirs.keys)  # rows computed apart
+            torch.testing.assert_close(mine.values, theirs.values)
+
+
 def test_a_decode_step_writes_its_token_in_place_without_copying_the_cache_back() -> None:
     """The caller's DynamicCache holds views of one buffer per layer: a decode step adds
     its token there (the buffer's storage is the same) instead of concatenating it."""
@@ -155,12 +182,16 @@ def test_a_new_batch_size_starts_over_and_remove_restores_the_model() -> None:
 
 def test_a_cache_of_an_unsupported_kind_is_refused_naming_it() -> None:
     transformers = pytest.importorskip("transformers")
+
+    class OwnLayer(transformers.cache_utils.DynamicLayer):
+        """A layer of the user's own: dbo cannot know what it keeps."""
+
     model = tiny_model("qwen2")
     cache = transformers.DynamicCache(config=model.config)
-    cache.layers[1] = transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=4)
+    cache.layers[1] = OwnLayer()
     ids, mask = prompts(4, 5, seed=0)
     step = dbo.overlap(model.forward, timeout_s=30)
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer layers.*use_cache=False"):
+    with pytest.raises(ValueError, match="OwnLayer layers.*use_cache=False"):
         step(ids, attention_mask=mask, cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="rows but the batch has 4"):
         small = transformers.DynamicCache(config=model.config)
@@ -198,14 +229,17 @@ def _own_decode_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: A
     return torch.cat(out, dim=1)
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize(
+    ("kind", "cache_kind"), [("qwen3_moe", "dynamic"), ("qwen3_moe", "static"),
+                             ("mistral", "dynamic")]  # Mistral: sliding windows
+)
 def test_an_own_decode_loop_that_returns_only_logits_keeps_the_cache_right(
-    cache_kind: str,
+    kind: str, cache_kind: str,
 ) -> None:
     """The cache is brought up to date as the ubatches return, whether or not the function
     returns it; a call that raised leaves it as before, so the step can run again."""
     transformers = pytest.importorskip("transformers")
-    model = tiny_model("qwen3_moe")
+    model = tiny_model(kind)
     ids, mask = prompts(5, 6, seed=4)
     expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
     for fail_at in (None, 0, 3):

@@ -436,3 +436,23 @@ def test_a_loss_stops_the_merge_and_caches_made_in_the_ubatches_are_joined_by_ro
     joined = dbo.default_merge(caches)["cache"]
     assert type(joined) is cache_utils.DynamicCache and joined.get_seq_length() == 3
     assert torch.equal(joined.layers[0].keys, keys) and torch.equal(joined.layers[0].values, -keys)
+
+
+def test_sliding_window_caches_made_in_the_ubatches_are_joined_by_rows_with_their_length() -> None:
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+    keys = torch.randn(5, 2, 3, 4)
+
+    def window_cache(rows: torch.Tensor) -> object:
+        cache = cache_utils.DynamicCache()
+        cache.layers = [cache_utils.DynamicSlidingWindowLayer(sliding_window=2)]
+        cache.update(rows, -rows, 0)
+        return cache
+
+    joined = dbo.default_merge([{"cache": window_cache(rows)} for rows in keys.tensor_split(2)])
+    layer = joined["cache"].layers[0]
+    assert type(layer) is cache_utils.DynamicSlidingWindowLayer and layer.sliding_window == 2
+    assert layer.get_seq_length() == 3  # tokens seen; the window keeps the last one
+    assert torch.equal(layer.keys, keys[:, :, -1:]) and torch.equal(layer.values, -keys[:, :, -1:])
+    uneven = [window_cache(keys[:2]), window_cache(keys[2:, :, :2])]
+    with pytest.raises(RuntimeError, match=r"different numbers of tokens .*\[3, 2\]"):
+        dbo.default_merge(uneven)
