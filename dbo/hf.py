@@ -104,15 +104,14 @@ def overlap_generation(
     per sequence (`input_ids`, `attention_mask` or its dict of masks, `position_ids` of
     B rows) split along dim 0, the KV cache by its rows (a `DynamicCache`, its
     sliding-window layers included, or a `StaticCache` of full-attention layers; others
-    raise naming them), `cache_position`,
-    `logits_to_keep` and a `position_ids` of one row whole. A call overlaps when its batch
-    has at least `num_ubatches` rows and enough tokens: `min_decode_tokens` for a call of
-    one token per row (a decode step), `min_prefill_tokens` (rows x length) otherwise;
-    with `decision_group`, every rank takes the same path each step (needed with
-    `comm.moe.shard_experts`, together with `generate(..., synced_gpus=True)` so that
-    ranks whose rows all stopped keep stepping). Generation's auto-compile is turned off
-    while active (it would trace the ubatch threads). ValueError if `model` has no
-    `generate`, or is already overlapped.
+    raise naming them), `cache_position`, `logits_to_keep` and a `position_ids` of one
+    row whole. A call overlaps when its batch has at least `num_ubatches` rows and enough
+    tokens: `min_decode_tokens` for a call of one token per row (a decode step),
+    `min_prefill_tokens` (rows x length) otherwise; with `decision_group`, every rank
+    takes the same path each step (needed with `comm.moe.shard_experts`, together with
+    `generate(..., synced_gpus=True)` so that ranks whose rows all stopped keep stepping).
+    Generation's auto-compile is turned off while active (it would trace the ubatch
+    threads). ValueError if `model` has no `generate`, or is already overlapped.
     """
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
         raise ValueError(
