@@ -69,7 +69,7 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     for ubatch, (start, stop) in enumerate(bounds):
         child = _child(cache, call, [])
         child.layers = [
-            _WindowRows(layer, call, ubatch, start, stop, batch_size)
+            _WindowRows(layer, shared, call, ubatch, start, stop, batch_size)
             if type(layer) is DynamicSlidingWindowLayer
             else GrowingRows(shared, call, ubatch, start, stop)
             for layer, shared in zip(cache.layers, growing.layers)
@@ -125,7 +125,8 @@ class _Call:
                 self.whole.layers.append(self.whole.layer_class_to_replicate())
             for index, (layer, shared) in enumerate(zip(self.whole.layers, self.growing.layers)):
                 if type(layer) is DynamicSlidingWindowLayer:
-                    _join_windows(layer, [child.layers[index] for child in self.children])
+                    parts = [child.layers[index] for child in self.children]
+                    shared.bytes_written += _join_windows(layer, parts)
                 else:
                     shared.finish(layer)
             return
@@ -262,9 +263,11 @@ class _WindowRows(DynamicSlidingWindowLayer):
     layer (`_join_windows`: one copy of the window, as the layer's own update makes)."""
 
     def __init__(
-        self, whole: Any, call: _Call, ubatch: int, start: int, stop: int, batch_size: int
+        self, whole: Any, shared: Any, call: _Call, ubatch: int, start: int, stop: int,
+        batch_size: int,
     ) -> None:
         super().__init__(whole.sliding_window)
+        self.shared = shared  # counts the bytes written (`dbo.hf.cache_bytes_written`)
         self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
         self.call, self.ubatch = call, ubatch
         self.run: object = None
@@ -280,7 +283,9 @@ class _WindowRows(DynamicSlidingWindowLayer):
             self.run = run_state()
             self._take_rows()
         self.updated = True
-        return super().update(key_states, value_states, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.shared.bytes_written += keys.nbytes + values.nbytes  # the layer's own torch.cat
+        return keys, values
 
     def _take_rows(self) -> None:
         whole = self.whole
@@ -291,10 +296,11 @@ class _WindowRows(DynamicSlidingWindowLayer):
             self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
 
 
-def _join_windows(whole: Any, parts: list[_WindowRows]) -> None:
-    """The caller's sliding-window layer after a call: the ubatches' windows, joined."""
+def _join_windows(whole: Any, parts: list[_WindowRows]) -> int:
+    """The caller's sliding-window layer after a call: the ubatches' windows, joined if
+    they wrote into it; the bytes written."""
     if not any(part.updated for part in parts):
-        return
+        return 0
     if not all(part.updated for part in parts):
         raise RuntimeError(
             "some ubatches did not write into a sliding-window cache layer the others wrote "
@@ -303,6 +309,7 @@ def _join_windows(whole: Any, parts: list[_WindowRows]) -> None:
     _fill(whole, parts)
     for part in parts:
         part.updated = False
+    return int(whole.keys.nbytes + whole.values.nbytes)
 
 
 def _fill(whole: Any, parts: list[Any]) -> None:

@@ -145,9 +145,10 @@ def overlap_generation(
 def cache_bytes_written(cache: Any) -> int:
     """Bytes `dbo` wrote into a `DynamicCache` it split, since it first split it: each
     ubatch's new keys and values, and the copies made when a buffer grows or is made
-    anew from the cache. 0 for a cache it never split (a StaticCache is written in place
-    by the model, never copied). For comparing with what `torch.cat` copies in
-    `transformers`' own DynamicLayer (the whole layer, every call)."""
+    anew from the cache; for sliding-window layers, what the layer's own update writes in
+    each ubatch and the joined windows. 0 for a cache it never split (a StaticCache is
+    written in place by the model, never copied). For comparing with what `torch.cat`
+    copies in `transformers`' own layers (the whole layer or window, every call)."""
     if "transformers" not in sys.modules:
         return 0
     from dbo import _hf_growing

@@ -6,7 +6,7 @@ three modes (the whole batch, the same ubatches in turn, DBO), token for token t
     # no torchrun (a fresh machine, `make demo-generate`): spawn 2 gloo ranks on a free port
     python examples/generate.py --spawn 2
 
-A tiny random-weight Qwen3-MoE (`--model` also Qwen2-MoE or Mixtral) is built from its
+A tiny random-weight Qwen3-MoE (`--model`: the families of `hf_moe.py`) is built from its
 config on every rank, its experts sharded over the ranks (`comm.moe.shard_experts`), and
 `model.generate` runs on each rank's own batch of left-padded prompts. DBO is
 `dbo.hf.overlap_generation(model, decision_group=WORLD)`: every forward of `generate`
@@ -30,7 +30,7 @@ from typing import Any
 import _harness
 import torch
 import torch.distributed as dist
-from hf_moe import build_model
+from hf_moe import MODELS, build_model
 
 import comm
 import dbo
@@ -138,27 +138,33 @@ def _cache_copies(
     model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, options: dict,
     overlap_options: dict,
 ) -> dict[str, float]:
-    """Bytes the DynamicCache handling writes per decode step: `transformers`' own layer
-    (its `torch.cat` writes the whole layer anew each call, counted by wrapping
-    `DynamicLayer.update`) against dbo's split cache (`dbo.hf.cache_bytes_written`)."""
-    from transformers.cache_utils import DynamicLayer
+    """Bytes the DynamicCache handling writes per decode step: `transformers`' own layers
+    (their `torch.cat` writes the whole layer, or window, anew each call, counted by
+    wrapping their `update`) against dbo's split cache (`dbo.hf.cache_bytes_written`)."""
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     steps = options["max_new_tokens"] - 1
     written = [0]
-    update = DynamicLayer.update
+    layers = (DynamicLayer, DynamicSlidingWindowLayer)
+    updates = [layer.update for layer in layers]
 
-    def counted(self: Any, keys: torch.Tensor, values: torch.Tensor, *rest: Any, **kw: Any):
-        out_keys, out_values = update(self, keys, values, *rest, **kw)
-        if keys.shape[-2] == 1:  # a decode step
-            written[0] += out_keys.nbytes + out_values.nbytes
-        return out_keys, out_values
+    def counting(update: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: Any, keys: torch.Tensor, values: torch.Tensor, *rest: Any, **kw: Any):
+            out_keys, out_values = update(self, keys, values, *rest, **kw)
+            if keys.shape[-2] == 1:  # a decode step
+                written[0] += out_keys.nbytes + out_values.nbytes
+            return out_keys, out_values
 
-    DynamicLayer.update = counted  # measuring only: restored below
+        return counted
+
+    for layer, update in zip(layers, updates):  # measuring only: restored below
+        layer.update = counting(update)
     try:
         with torch.no_grad():
             model.generate(ids, attention_mask=mask, **options)
     finally:
-        DynamicLayer.update = update
+        for layer, update in zip(layers, updates):
+            layer.update = update
     dbo_bytes = []
     for new_tokens in (1, options["max_new_tokens"]):  # the prefill alone, then all steps
         with torch.no_grad(), dbo.hf.overlap_generation(model, **overlap_options):
@@ -239,7 +245,7 @@ def _report(args: argparse.Namespace, summary: dict[str, Any], files: list[str])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["qwen3_moe", "qwen2_moe", "mixtral"],
+    parser.add_argument("--model", choices=MODELS,
                         default="qwen3_moe", help="the transformers model family")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     parser.add_argument("--hidden", type=int, default=64, help="model width (default 64)")

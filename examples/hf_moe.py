@@ -65,10 +65,10 @@ def build_model(
             v_head_dim=rope, **common,
         )
         model_type = transformers.DeepseekV3ForCausalLM
-    elif kind == "gpt_oss":  # biases in the router and the experts
+    elif kind == "gpt_oss":  # biases in the router and the experts, 16-token windows
         common["intermediate_size"] = hidden
         config = transformers.GptOssConfig(
-            num_local_experts=experts, head_dim=hidden // 4, **common
+            num_local_experts=experts, head_dim=hidden // 4, sliding_window=16, **common
         )
         model_type = transformers.GptOssForCausalLM
     else:

@@ -134,6 +134,10 @@ def test_sliding_window_layers_hold_the_windows_and_lengths_of_generate_without_
         assert torch.equal(got.sequences, expected.sequences), length
         kinds = [type(layer).__name__ for layer in got.cache.layers]
         assert "DynamicSlidingWindowLayer" in kinds, kinds
+        windows = sum(layer.keys.nbytes + layer.values.nbytes
+                      for layer in got.cache.layers if layer.is_sliding)
+        # The last call alone: the layer's own torch.cat (window + 1) and the joined window.
+        assert dbo.hf.cache_bytes_written(got.cache) >= 2 * windows
         for mine, theirs in zip(got.cache.layers, expected.cache.layers):
             assert type(mine) is type(theirs)
             assert mine.get_seq_length() == theirs.get_seq_length()
