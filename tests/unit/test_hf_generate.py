@@ -276,12 +276,13 @@ def test_the_generate_graph_script_runs_its_eager_loop_on_cpu() -> None:
 def test_beam_search_reorders_the_cache_between_steps_and_stays_token_identical() -> None:
     """Beam search reorders the caller's cache outside the overlap (new tensors): the next
     step's split starts from the reordered cache."""
-    model = tiny_model("qwen2_moe")
-    ids, mask = prompts(4, 6, seed=1)
-    for cache in ("dynamic", "static"):
+    for kind, cache in (("qwen2_moe", "dynamic"), ("qwen2_moe", "static"),
+                        ("mistral", "dynamic")):  # Mistral: sliding windows
+        model = tiny_model(kind)
+        ids, mask = prompts(4, 6, seed=1)
         expected, got = both(model, ids, mask, ALWAYS, max_new_tokens=6, num_beams=2,
                              do_sample=False, cache_implementation=cache)
-        assert torch.equal(got, expected), cache
+        assert torch.equal(got, expected), (kind, cache)
 
 
 class _EagerCapture:
