@@ -39,6 +39,7 @@ from transformers.cache_utils import (
 from dbo import stateful
 from dbo._hf_growing import Growing, GrowingRows, NewLayer, check_rows, growing_state
 from dbo.api import at_ubatch_exit, run_state
+from dbo.graphs import capturing
 
 _REGISTERED = False
 
@@ -107,6 +108,13 @@ class _Call:
         splits once, then runs them for its warmup and its capture)."""
 
     def enter(self, ubatch: int) -> None:
+        if self.growing is not None and capturing():
+            raise ValueError(
+                "a transformers DynamicCache cannot be in a dbo.capture_graph: its lengths and "
+                "views are kept in Python, which a replay does not run, so every replay would "
+                "write its token at the same position; pass a StaticCache "
+                "(cache_implementation='static') to a captured decode step"
+            )
         state = run_state()
         if state is not self._run:  # another run of the same parts: count afresh
             self._run, self.entered, self.returned = state, [False] * len(self.entered), 0

@@ -324,3 +324,27 @@ def test_a_static_cache_in_capture_graph_advances_once_per_run_warmups_included(
         assert int(cache.get_seq_length()) == 6
         dbo.capture_graph(step, ids[:, -1:], full, cache, warmup=2)
     assert int(cache.get_seq_length()) == 6 + 3
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mistral"])  # Mistral: sliding windows
+def test_a_dynamic_cache_in_capture_graph_is_refused_before_the_capture(
+    monkeypatch: pytest.MonkeyPatch, kind: str,
+) -> None:
+    """A DynamicCache's lengths and views live in Python, which a replay does not run: a
+    captured step would write every replay's token at the same position. Refused in the
+    first warmup run, naming the StaticCache to use; the cache is as before."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
+    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
+    model = tiny_model(kind)
+    ids, mask = prompts(4, 6, seed=3)
+    cache = transformers.DynamicCache(config=model.config)
+
+    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        dbo.overlap(step, timeout_s=30)(ids, mask, cache)
+        with pytest.raises(ValueError, match="DynamicCache.*capture_graph.*StaticCache"):
+            dbo.capture_graph(step, ids[:, -1:], torch.cat([mask, mask[:, :1]], dim=1), cache)
+    assert int(cache.get_seq_length()) == 6
