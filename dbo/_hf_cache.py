@@ -4,21 +4,23 @@ cache the caller holds, and that cache stays a true cache of every row after eac
 - `StaticCache` (preallocated `[B, H, max_len, D]` per layer): ubatch i gets views of its
   rows, so its writes land in place, at the caller's layer's length; when the call ends
   that length advances by the tokens written (in place: a captured graph replays it).
-  Nothing is copied.
+  Nothing is copied. Its sliding-window layers run the layer's own update on views of
+  their rows (in place too: once full, the window rolls); not in `capture_graph`.
 - `DynamicCache` (grows by one `torch.cat` of the whole layer per call in `transformers`):
   each layer's keys and values live in a `[B, H, capacity, D]` buffer with room to grow
   (`dbo._hf_growing`); the caller's layer holds a view of the filled part, each ubatch a
   view of its rows, and a call writes only its new tokens. Its sliding-window layers
   (a window of the last tokens, remade by `torch.cat` every call in `transformers`): each
   ubatch runs the layer's own update on views of its rows, and the call's end joins the
-  ubatches' windows (one more copy of the window per call).
+  ubatches' windows (one more copy of the window per call). Not in `capture_graph`: its
+  lengths live in Python, which a replay does not run.
 
 The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
-or not the function returns the cache. Caches of other kinds, layers of other kinds (a
-StaticCache's sliding windows, quantized, linear attention) and offloading are refused,
-named. Caches that the ubatches create themselves (a forward called without one,
-`use_cache=True`) are joined once along the batch. This module imports `transformers`:
-`dbo` imports it only once `transformers` is (a cache is met, or `dbo.hf` is used).
+or not the function returns the cache. Caches of other kinds, layers of other kinds
+(quantized, linear attention, indexed) and offloading are refused, named. Caches that
+the ubatches create themselves (a forward called without one, `use_cache=True`) are
+joined once along the batch. This module imports `transformers`: `dbo` imports it only
+once `transformers` is (a cache is met, or `dbo.hf` is used).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
     StaticCache,
     StaticLayer,
+    StaticSlidingWindowLayer,
 )
 
 from dbo import stateful
@@ -61,8 +64,11 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     call = _Call(cache, len(rows))
     if isinstance(cache, StaticCache):
         call.children = [
-            _child(cache, call, [_StaticRows(layer, call, ubatch, start, stop, batch_size)
-                                 for layer in cache.layers])
+            _child(cache, call, [
+                (_StaticWindowRows if type(layer) is StaticSlidingWindowLayer else _StaticRows)(
+                    layer, call, ubatch, start, stop, batch_size)
+                for layer in cache.layers
+            ])
             for ubatch, (start, stop) in enumerate(bounds)
         ]
         return call.children
@@ -147,15 +153,19 @@ class _Call:
                     "forward on its rows"
                 )
             (count,) = written
-            if count:
+            if count and type(layer) is StaticSlidingWindowLayer:
+                layer.cumulative_length_int += count
+                layer.cumulative_length.copy_(self.children[0].layers[index].cumulative_length)
+            elif count:
                 layer.cumulative_length.add_(count)
             for child in self.children:
                 child.layers[index].written = None  # for the parts' next run (capture_graph)
+        self.whole._dbo_windows_overwritten = False  # the call ended: the windows are right
 
 
 def _check_supported(cache: Any) -> None:
     supported = {DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer),
-                 StaticCache: (StaticLayer,)}
+                 StaticCache: (StaticLayer, StaticSlidingWindowLayer)}
     layer_kinds = supported.get(type(cache), ())
     odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
     lazy = cache.layer_class_to_replicate
@@ -168,10 +178,16 @@ def _check_supported(cache: Any) -> None:
         elif getattr(cache, "offloading", False):
             what += " that offloads"
         raise ValueError(
-            f"dbo.overlap splits a transformers DynamicCache (of DynamicLayer and "
-            f"DynamicSlidingWindowLayer layers) or a StaticCache of StaticLayer layers by rows, "
-            f"but got {what}; pass use_cache=False (or cache_implementation='dynamic'), or "
-            "register a rule for it with dbo.register_split_rule"
+            "dbo.overlap splits a transformers DynamicCache or StaticCache of full-attention "
+            f"and sliding-window layers by rows, but got {what}; pass use_cache=False (or "
+            "cache_implementation='dynamic'), or register a rule for it with "
+            "dbo.register_split_rule"
+        )
+    if getattr(cache, "_dbo_windows_overwritten", False):
+        raise ValueError(
+            "this StaticCache's sliding windows were rolled in place by an overlapped call that "
+            "failed, so they no longer hold the last tokens; start a new cache (a new "
+            "generate does)"
         )
 
 
@@ -335,3 +351,56 @@ def _fill(whole: Any, parts: list[Any]) -> None:
         whole.lazy_initialization(parts[0].keys, parts[0].values)
     whole.keys = torch.cat([part.keys for part in parts])
     whole.values = torch.cat([part.values for part in parts])
+
+
+class _StaticWindowRows(StaticSlidingWindowLayer):
+    """Rows [start, stop) of a whole `StaticSlidingWindowLayer`: `transformers`' own update
+    on views of its rows, so writes land in place (once the window is full, it rolls). It
+    starts from the caller's lengths at each run's first write, on a length tensor of its
+    own; the call's end sets the caller's (the tensor in place). A write that rolls or
+    overwrites the window marks the cache until the call ends, so that a failed call's
+    cache is refused rather than read with a window that lost tokens. Not in
+    `capture_graph`: a graph would keep the fill state and mask offsets of its capture."""
+
+    def __init__(
+        self, whole: Any, call: _Call, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
+        self.__dict__.update(whole.__dict__)
+        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
+        self.call, self.ubatch = call, ubatch
+        self.run: object = None
+        self.written: int | None = None
+        if whole.is_initialized:
+            check_rows("StaticCache", whole.keys.shape[0], batch_size)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own update on this ubatch's rows, from the caller's lengths."""
+        if capturing():
+            raise ValueError(
+                "a StaticCache with sliding-window layers cannot be in a dbo.capture_graph: "
+                "a replay would keep the window's fill state and attention-mask offsets of the "
+                "capture; run these steps without capture_graph"
+            )
+        self.call.enter(self.ubatch)
+        whole = self.whole
+        if not whole.is_initialized:  # all rows, on the first write of any ubatch
+            whole.lazy_initialization(
+                key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
+                value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
+            )
+        if self.run is not run_state():
+            self.run = run_state()
+            for name in ("device", "num_heads", "k_head_dim", "v_head_dim",
+                         "cumulative_length_int"):
+                setattr(self, name, getattr(whole, name))
+            self.batch_size = self.rows.stop - self.rows.start
+            self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
+            self.cumulative_length = whole.cumulative_length.clone()
+            self.is_initialized = True
+        length = key_states.shape[-2]
+        if self.cumulative_length_int + length > self.max_cache_len:
+            self.call.whole._dbo_windows_overwritten = True  # until the call ends
+        self.written = length
+        return super().update(key_states, value_states, *args, **kwargs)

@@ -53,10 +53,6 @@ def test_overlap_generation_is_token_identical_greedy_and_sampled_with_rows_stop
     model = tiny_model(kind)
     ids, mask = prompts(5, 7, seed=3)
     options: dict[str, Any] = dict(max_new_tokens=32, cache_implementation=cache)
-    if kind in SLIDING and cache == "static":
-        with pytest.raises(ValueError, match="StaticSlidingWindowLayer layers"):
-            both(model, ids, mask, ALWAYS, **options)
-        return
     for sample in (False, True):
         eos = eos_that_stops_row_zero(model, ids, mask, do_sample=sample, **options)
         expected, got = both(model, ids, mask, ALWAYS, do_sample=sample, eos_token_id=eos,
@@ -121,23 +117,26 @@ def test_the_cache_generate_returns_equals_the_one_without_dbo() -> None:
 
 
 @pytest.mark.parametrize("kind", SLIDING)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_sliding_window_layers_hold_the_windows_and_lengths_of_generate_without_dbo(
-    kind: str,
+    kind: str, cache: str,
 ) -> None:
-    """Each call's windows are those of transformers' own layer, rows in place, whether the
-    call overflows the window or not (prompts shorter and longer than it)."""
+    """Each call's windows are those of transformers' own layer, whether the call overflows
+    the window or not (prompts shorter and longer than it)."""
     model = tiny_model(kind)
     for length in (WINDOW - 2, WINDOW + 3):
         ids, mask = prompts(5, length, seed=length)
-        options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+                       cache_implementation=cache)
         expected, got = both(model, ids, mask, ALWAYS, **options)
         assert torch.equal(got.sequences, expected.sequences), length
         kinds = [type(layer).__name__ for layer in got.cache.layers]
-        assert "DynamicSlidingWindowLayer" in kinds, kinds
-        windows = sum(layer.keys.nbytes + layer.values.nbytes
-                      for layer in got.cache.layers if layer.is_sliding)
-        # The last call alone: the layer's own torch.cat (window + 1) and the joined window.
-        assert dbo.hf.cache_bytes_written(got.cache) >= 2 * windows
+        assert f"{cache.title()}SlidingWindowLayer" in kinds, kinds
+        if cache == "dynamic":
+            windows = sum(layer.keys.nbytes + layer.values.nbytes
+                          for layer in got.cache.layers if layer.is_sliding)
+            # The last call alone: the layer's own torch.cat (window + 1), the joined window.
+            assert dbo.hf.cache_bytes_written(got.cache) >= 2 * windows
         for mine, theirs in zip(got.cache.layers, expected.cache.layers):
             assert type(mine) is type(theirs)
             assert mine.get_seq_length() == theirs.get_seq_length()
@@ -346,5 +345,44 @@ def test_a_dynamic_cache_in_capture_graph_is_refused_before_the_capture(
     with torch.no_grad():
         dbo.overlap(step, timeout_s=30)(ids, mask, cache)
         with pytest.raises(ValueError, match="DynamicCache.*capture_graph.*StaticCache"):
+            dbo.capture_graph(step, ids[:, -1:], torch.cat([mask, mask[:, :1]], dim=1), cache)
+    assert int(cache.get_seq_length()) == 6
+
+
+def test_a_static_cache_whose_windows_a_failed_call_rolled_is_refused_not_reused() -> None:
+    """A StaticCache's sliding windows are written in place; once full, a write rolls them.
+    A call that fails before the windows are full leaves the cache as before (the step can
+    run again); one that rolled them leaves windows that lost tokens: the next call is
+    refused instead of generating from them."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model("mistral")
+    ids, mask = prompts(5, WINDOW - 1, seed=4)  # the prefill leaves the windows not full
+    expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
+    for fail_at in (None, 0, 1):  # step 1 writes the window's last free position
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        assert type(cache.layers[0]).__name__ == "StaticSlidingWindowLayer"
+        got = _own_decode_loop(model, ids, mask, cache, 8, fail_at)
+        assert torch.equal(got, expected), fail_at
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(ValueError, match="rolled in place by an overlapped call that failed"):
+        _own_decode_loop(model, ids, mask, cache, 8, fail_at=2)  # step 2 rolls the windows
+
+
+def test_a_static_cache_with_sliding_windows_in_capture_graph_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
+    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
+    model = tiny_model("mistral")
+    ids, mask = prompts(4, 6, seed=3)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+
+    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+
+    with torch.no_grad():
+        dbo.overlap(step, timeout_s=30)(ids, mask, cache)
+        with pytest.raises(ValueError, match="sliding-window layers cannot be in a dbo.capture"):
             dbo.capture_graph(step, ids[:, -1:], torch.cat([mask, mask[:, :1]], dim=1), cache)
     assert int(cache.get_seq_length()) == 6
