@@ -284,6 +284,22 @@ def test_beam_search_reorders_the_cache_between_steps_and_stays_token_identical(
         assert torch.equal(got, expected), (kind, cache)
 
 
+@pytest.fixture
+def eager_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dbo.capture_graph` on CPU: the captured run just runs (`_EagerCapture`)."""
+    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
+    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
+
+
+def _logits_step(model: torch.nn.Module) -> Any:
+    """A decode step of one's own: the logits of `model` on `tokens`, with `cache`."""
+
+    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+
+    return step
+
+
 class _EagerCapture:
     """Stands in for `dbo.graphs._Capture` on CPU: the captured run just runs."""
 
@@ -303,50 +319,22 @@ class _EagerCapture:
 
 
 def test_a_static_cache_in_capture_graph_advances_once_per_run_warmups_included(
-    monkeypatch: pytest.MonkeyPatch,
+    eager_capture: None,
 ) -> None:
     """capture_graph splits once and runs the same parts warmup + 1 times: every run
     (the captured one too, whose advance a replay repeats) adds its token to the length."""
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
-    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
     model = tiny_model("qwen3_moe")
     ids, mask = prompts(4, 6, seed=3)
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
     full = torch.cat([mask, torch.ones(4, 10, dtype=mask.dtype)], dim=1)
-
-    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
+    step = _logits_step(model)
 
     with torch.no_grad():
         dbo.overlap(step, timeout_s=30)(ids, full[:, :6], cache)
         assert int(cache.get_seq_length()) == 6
         dbo.capture_graph(step, ids[:, -1:], full, cache, warmup=2)
     assert int(cache.get_seq_length()) == 6 + 3
-
-
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mistral"])  # Mistral: sliding windows
-def test_a_dynamic_cache_in_capture_graph_is_refused_before_the_capture(
-    monkeypatch: pytest.MonkeyPatch, kind: str,
-) -> None:
-    """A DynamicCache's lengths and views live in Python, which a replay does not run: a
-    captured step would write every replay's token at the same position. Refused in the
-    first warmup run, naming the StaticCache to use; the cache is as before."""
-    transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
-    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
-    model = tiny_model(kind)
-    ids, mask = prompts(4, 6, seed=3)
-    cache = transformers.DynamicCache(config=model.config)
-
-    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
-
-    with torch.no_grad():
-        dbo.overlap(step, timeout_s=30)(ids, mask, cache)
-        with pytest.raises(ValueError, match="DynamicCache.*capture_graph.*StaticCache"):
-            dbo.capture_graph(step, ids[:, -1:], torch.cat([mask, mask[:, :1]], dim=1), cache)
-    assert int(cache.get_seq_length()) == 6
 
 
 def test_a_static_cache_whose_windows_a_failed_call_rolled_is_refused_not_reused() -> None:
@@ -368,21 +356,28 @@ def test_a_static_cache_whose_windows_a_failed_call_rolled_is_refused_not_reused
         _own_decode_loop(model, ids, mask, cache, 8, fail_at=2)  # step 2 rolls the windows
 
 
-def test_a_static_cache_with_sliding_windows_in_capture_graph_is_refused(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("kind", "cache_kind", "message"), [
+    ("qwen3_moe", "dynamic", "DynamicCache.*capture_graph.*StaticCache"),
+    ("mistral", "dynamic", "DynamicCache.*capture_graph.*StaticCache"),  # sliding windows
+    ("mistral", "static", "sliding-window layers cannot be in a dbo.capture_graph"),
+])
+def test_a_cache_a_replay_cannot_advance_is_refused_in_capture_graph_before_the_capture(
+    eager_capture: None, kind: str, cache_kind: str, message: str,
 ) -> None:
+    """A DynamicCache's lengths and views live in Python, which a replay does not run (every
+    replay would write its token at the same position); a StaticCache's sliding windows
+    keep their fill state and mask offsets in Python ints. Refused in the first warmup
+    run, before anything is captured; the cache is as before."""
     transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr(dbo.graphs, "_Capture", _EagerCapture)
-    monkeypatch.setattr(dbo.graphs, "_cuda_device", lambda inputs: torch.device("cpu"))
-    model = tiny_model("mistral")
+    model = tiny_model(kind)
     ids, mask = prompts(4, 6, seed=3)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
-
-    def step(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
-        return model(tokens, attention_mask=attention_mask, cache=cache, use_cache=True).logits
-
+    if cache_kind == "static":
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    else:
+        cache = transformers.DynamicCache(config=model.config)
+    step = _logits_step(model)
     with torch.no_grad():
         dbo.overlap(step, timeout_s=30)(ids, mask, cache)
-        with pytest.raises(ValueError, match="sliding-window layers cannot be in a dbo.capture"):
+        with pytest.raises(ValueError, match=message):
             dbo.capture_graph(step, ids[:, -1:], torch.cat([mask, mask[:, :1]], dim=1), cache)
     assert int(cache.get_seq_length()) == 6
