@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/hf_families.py                   # every family: ~1 hour
     .venv/bin/python benchmarks/hf_families.py --only mixtral,gemma2 --json
+    .venv/bin/python benchmarks/hf_families.py --cache static   # a StaticCache instead
 
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, hidden 32, 4 experts top-2 where it has experts) and
-`generate` runs greedy, 5 new tokens for 4 left-padded prompts, with and without
+`generate` runs greedy (a DynamicCache, or a StaticCache with `--cache static`), 5 new
+tokens for 4 left-padded prompts, with and without
 `dbo.hf.overlap_generation` (every call split); and `dbo.overlap(model)` runs one forward,
 no cache passed in, against the two halves in turn. A family's outcome:
 
@@ -57,8 +59,9 @@ def build(kind: str, kv_heads: int) -> Any:
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config).eval()
 
 
-def check(kind: str) -> dict[str, Any]:
-    """One family's outcome (in a process of its own)."""
+def check(kind: str, cache: str) -> dict[str, Any]:
+    """One family's outcome with `generate`'s `cache_implementation=cache` (in a process
+    of its own)."""
     import torch
 
     import dbo
@@ -67,7 +70,8 @@ def check(kind: str) -> dict[str, Any]:
     mask = torch.ones_like(ids)
     mask[1, :2] = mask[3, :1] = 0
     ids[mask == 0] = 0
-    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True)
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True,
+                   cache_implementation=cache)
     try:
         try:
             model = build(kind, kv_heads=2)
@@ -96,12 +100,14 @@ def check(kind: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (default: every one)")
+    parser.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                        help="the KV cache generate makes (default dynamic)")
     parser.add_argument("--timeout-s", type=float, default=240.0)
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-family process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(check(args.one)))
+        print(json.dumps(check(args.one, args.cache)))
         return
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -110,7 +116,8 @@ def main() -> None:
     for kind in kinds:
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--one", kind], capture_output=True, text=True,
+                [sys.executable, __file__, "--one", kind, "--cache", args.cache],
+                capture_output=True, text=True,
                 timeout=args.timeout_s, cwd=ROOT,
             )
             last = (done.stdout.strip().splitlines() or [""])[-1]
