@@ -7,9 +7,9 @@
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, hidden 32, 4 experts top-2 where it has experts) and
 `generate` runs greedy (a DynamicCache, or a StaticCache with `--cache static`), 5 new
-tokens for 4 left-padded prompts, with and without
-`dbo.hf.overlap_generation` (every call split); and `dbo.overlap(model)` runs one forward,
-no cache passed in, against the two halves in turn. A family's outcome:
+tokens for 4 left-padded prompts, with and without `dbo.hf.overlap_generation` (every
+call split); and `dbo.overlap(model)` runs one forward, no cache passed in, against the
+two halves in turn. A family's outcome:
 
   equal        the same tokens, and the overlapped forward bitwise the halves'
   WRONG        different tokens or logits: a silent wrong result, the bug to fix first
