@@ -178,10 +178,10 @@ def _check_supported(cache: Any) -> None:
         elif getattr(cache, "offloading", False):
             what += " that offloads"
         raise ValueError(
-            "dbo.overlap splits a transformers DynamicCache or StaticCache of full-attention "
-            f"and sliding-window layers by rows, but got {what}; pass use_cache=False (or "
-            "cache_implementation='dynamic'), or register a rule for it with "
-            "dbo.register_split_rule"
+            f"dbo.overlap cannot split {what} by rows (it splits transformers' DynamicCache "
+            "and StaticCache of full-attention and sliding-window layers); pass "
+            "use_cache=False (or cache_implementation='dynamic'), or register a rule for it "
+            "with dbo.register_split_rule"
         )
     if getattr(cache, "_dbo_windows_overwritten", False):
         raise ValueError(
