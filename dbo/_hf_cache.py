@@ -31,9 +31,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import (
     Cache,
+    DummyLayer,
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
     StaticCache,
     StaticLayer,
     StaticSlidingWindowLayer,
@@ -63,9 +65,13 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     bounds = [(start, start + count) for start, count in zip(starts, rows)]
     call = _Call(cache, len(rows))
     if isinstance(cache, StaticCache):
+        kinds: dict[Any, Any] = {
+            StaticSlidingWindowLayer: _StaticWindowRows, LinearAttentionLayer: _StateRows
+        }
         call.children = [
             _child(cache, call, [
-                (_StaticWindowRows if type(layer) is StaticSlidingWindowLayer else _StaticRows)(
+                layer if type(layer) is DummyLayer  # holds nothing: shared
+                else kinds.get(type(layer), _StaticRows)(
                     layer, call, ubatch, start, stop, batch_size)
                 for layer in cache.layers
             ])
@@ -78,6 +84,9 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
         child.layers = [
             _WindowRows(layer, shared, call, ubatch, start, stop, batch_size)
             if type(layer) is DynamicSlidingWindowLayer
+            else _StateRows(layer, call, ubatch, start, stop, batch_size)
+            if type(layer) is LinearAttentionLayer
+            else layer if type(layer) is DummyLayer  # holds nothing: shared
             else GrowingRows(shared, call, ubatch, start, stop)
             for layer, shared in zip(cache.layers, growing.layers)
         ]
@@ -134,6 +143,10 @@ class _Call:
             self._finish()
 
     def _finish(self) -> None:
+        for index, layer in enumerate(self.whole.layers):
+            if type(layer) is LinearAttentionLayer:
+                _StateRows.finish(layer, [child.layers[index] for child in self.children])
+        self.whole._dbo_overwritten = False  # the call ended: windows and states are right
         if self.growing is not None:
             while len(self.whole.layers) < len(self.growing.layers):
                 self.whole.layers.append(self.whole.layer_class_to_replicate())
@@ -141,10 +154,12 @@ class _Call:
                 if type(layer) is DynamicSlidingWindowLayer:
                     parts = [child.layers[index] for child in self.children]
                     shared.bytes_written += _join_windows(layer, parts)
-                else:
+                elif type(layer) is DynamicLayer:
                     shared.finish(layer)
             return
         for index, layer in enumerate(self.whole.layers):
+            if type(layer) not in (StaticLayer, StaticSlidingWindowLayer):
+                continue
             written = {child.layers[index].written for child in self.children}
             if len(written) != 1:
                 raise RuntimeError(
@@ -160,14 +175,18 @@ class _Call:
                 layer.cumulative_length.add_(count)
             for child in self.children:
                 child.layers[index].written = None  # for the parts' next run (capture_graph)
-        self.whole._dbo_windows_overwritten = False  # the call ended: the windows are right
 
 
 def _check_supported(cache: Any) -> None:
-    supported = {DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer),
-                 StaticCache: (StaticLayer, StaticSlidingWindowLayer)}
+    supported = {
+        DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
+                       DummyLayer),
+        StaticCache: (StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, DummyLayer),
+    }
     layer_kinds = supported.get(type(cache), ())
     odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
+    odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
+            if type(layer) is LinearAttentionLayer and layer.record_past]
     lazy = cache.layer_class_to_replicate
     if not layer_kinds or odd or getattr(cache, "offloading", False) or (
         lazy is not None and lazy is not layer_kinds[0]
@@ -179,15 +198,16 @@ def _check_supported(cache: Any) -> None:
             what += " that offloads"
         raise ValueError(
             f"dbo.overlap cannot split {what} by rows (it splits transformers' DynamicCache "
-            "and StaticCache of full-attention and sliding-window layers); pass "
+            "and StaticCache of full-attention, sliding-window and linear-attention layers); "
+            "pass "
             "use_cache=False (or cache_implementation='dynamic'), or register a rule for it "
             "with dbo.register_split_rule"
         )
-    if getattr(cache, "_dbo_windows_overwritten", False):
+    if getattr(cache, "_dbo_overwritten", False):
         raise ValueError(
-            "this StaticCache's sliding windows were rolled in place by an overlapped call that "
-            "failed, so they no longer hold the last tokens; start a new cache (a new "
-            "generate does)"
+            f"this {type(cache).__name__}'s sliding windows or linear-attention states were "
+            "written in place by an overlapped call that failed, so they no longer match its "
+            "tokens; start a new cache (a new generate does)"
         )
 
 
@@ -214,18 +234,12 @@ def _joined(parts: list[Any]) -> Any:
     joined.layers = []
     for layers in zip(*(part.layers for part in parts)):
         kind = type(layers[0])
-        if kind not in (DynamicLayer, DynamicSlidingWindowLayer) or any(
-            type(layer) is not kind for layer in layers
-        ):
+        if kind not in _JOINS or any(type(layer) is not kind for layer in layers):
             raise ValueError(
-                "the ubatches returned DynamicCaches with layers other than DynamicLayer and "
-                f"DynamicSlidingWindowLayer ({', '.join(type(layer).__name__ for layer in layers)}"
-                "), which dbo cannot join; pass use_cache=False"
+                "the ubatches returned DynamicCaches with layers dbo cannot join "
+                f"({', '.join(type(layer).__name__ for layer in layers)}); pass use_cache=False"
             )
-        layer = kind(layers[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
-        if all(part.is_initialized for part in layers):
-            _fill(layer, list(layers))
-        joined.layers.append(layer)
+        joined.layers.append(_JOINS[kind](list(layers)))
     return joined
 
 
@@ -336,6 +350,43 @@ def _join_windows(whole: Any, parts: list[_WindowRows]) -> int:
     return int(whole.keys.nbytes + whole.values.nbytes)
 
 
+def _joined_keys(parts: list[Any]) -> Any:
+    """One DynamicLayer or sliding-window layer of the rows of `parts`."""
+    kind = type(parts[0])
+    layer = kind(parts[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
+    if all(part.is_initialized for part in parts):
+        _fill(layer, parts)
+    return layer
+
+
+def _joined_states(parts: list[Any]) -> Any:
+    """One LinearAttentionLayer of the rows of `parts` (the same states of each)."""
+    layer = LinearAttentionLayer(number_of_states=parts[0].number_of_states)
+    for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
+                 "is_conv_states_initialized", "is_recurrent_states_initialized"):
+        values = [getattr(part, name) for part in parts]
+        if any(value != values[0] for value in values):
+            raise RuntimeError(
+                f"the ubatches' caches differ in {name} of a linear-attention layer ({values}); "
+                "each must run the same forward on its rows"
+            )
+        setattr(layer, name, copy.copy(values[0]))
+    for name in ("conv_states", "recurrent_states"):
+        getattr(layer, name).update({
+            index: None if states[0] is None else torch.cat(states)
+            for index, states in zip(getattr(parts[0], name), zip(
+                *(getattr(part, name).values() for part in parts)))
+        })
+    return layer
+
+
+_JOINS: dict[Any, Any] = {
+    DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
+    LinearAttentionLayer: _joined_states, DummyLayer: lambda parts: DummyLayer(),
+}
+"""How to join each kind of layer the ubatches made in caches of their own."""
+
+
 def _fill(whole: Any, parts: list[Any]) -> None:
     """`whole` holds the rows of `parts` (DynamicLayers, or sliding windows of one length)."""
     if isinstance(whole, DynamicSlidingWindowLayer):
@@ -401,6 +452,103 @@ class _StaticWindowRows(StaticSlidingWindowLayer):
             self.is_initialized = True
         length = key_states.shape[-2]
         if self.cumulative_length_int + length > self.max_cache_len:
-            self.call.whole._dbo_windows_overwritten = True  # until the call ends
+            self.call.whole._dbo_overwritten = True  # until the call ends
         self.written = length
         return super().update(key_states, value_states, *args, **kwargs)
+
+
+class _StateRows(LinearAttentionLayer):
+    """Rows [start, stop) of a whole `LinearAttentionLayer`: views of the rows of its conv
+    and recurrent states (`[B, ...]` each), which the layer's updates and the model's own
+    kernels write in place, so the writes land in the caller's states. `transformers`'
+    Cache reads `has_previous_state` before it hands out a state, and the updates go
+    through this layer: either enters the call and, at each run's first, takes the views
+    afresh. Each call overwrites the states, which a failed call cannot undo: the cache
+    is marked until the call ends (and a marked cache is refused)."""
+
+    def __init__(
+        self, whole: Any, call: _Call, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
+        self.call: _Call | None = None  # not entered while the base class sets its fields
+        super().__init__(number_of_states=whole.number_of_states)
+        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
+        self.run: object = None
+        for states in (*whole.conv_states.values(), *whole.recurrent_states.values()):
+            if states is not None:
+                check_rows(type(call.whole).__name__, states.shape[0], batch_size)
+        self._take_rows()
+        self.call, self.ubatch = call, ubatch
+
+    @property  # reads come before every state the Cache hands out
+    def has_previous_state(self) -> dict[int, bool]:
+        """This ubatch's flags, entering the call."""
+        self._enter()
+        return self._flags
+
+    @has_previous_state.setter
+    def has_previous_state(self, flags: dict[int, bool]) -> None:
+        self._flags = flags
+
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._enter()
+        return super().update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._enter()
+        return super().update_recurrent_state(*args, **kwargs)
+
+    def lazy_initialization(
+        self, conv_states: torch.Tensor | None = None,
+        recurrent_states: torch.Tensor | None = None, state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+    ) -> None:
+        """Initialize the state in the whole layer (all rows), then take this ubatch's
+        views; a state another ubatch initialized is only viewed."""
+        whole = self.whole
+
+        def all_rows(states: torch.Tensor | None, done: dict[int, bool]) -> Any:
+            if states is None or done[state_idx]:
+                return None
+            return states[:1].expand((self.whole_batch, *states.shape[1:])).contiguous()
+
+        conv = all_rows(conv_states, whole.is_conv_states_initialized)
+        recurrent = all_rows(recurrent_states, whole.is_recurrent_states_initialized)
+        if conv is not None or recurrent is not None:
+            whole.lazy_initialization(conv_states=conv, recurrent_states=recurrent,
+                                      state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+        flags = self._flags
+        self._take_rows()
+        self._flags = flags  # this ubatch's, as the call left them so far
+
+    def _enter(self) -> None:
+        if self.call is None:
+            return
+        self.call.enter(self.ubatch)
+        self.call.whole._dbo_overwritten = True  # until the call ends
+        if self.run is not run_state():
+            self.run = run_state()
+            self._take_rows()
+
+    def _take_rows(self) -> None:
+        whole = self.whole
+        self._flags = dict(whole.has_previous_state)
+        self.device, self.dtype = whole.device, whole.dtype
+        self.conv_kernel_size = dict(whole.conv_kernel_size)
+        self.is_conv_states_initialized = dict(whole.is_conv_states_initialized)
+        self.is_recurrent_states_initialized = dict(whole.is_recurrent_states_initialized)
+        self.conv_states = {index: None if states is None else states[self.rows]
+                            for index, states in whole.conv_states.items()}
+        self.recurrent_states = {index: None if states is None else states[self.rows]
+                                 for index, states in whole.recurrent_states.items()}
+
+    @staticmethod
+    def finish(whole: Any, parts: list[_StateRows]) -> None:
+        """The caller's flags after a call: the ubatches' (the states are written in place)."""
+        flags = [part._flags for part in parts if part.run is run_state()]
+        if any(flag != flags[0] for flag in flags):
+            raise RuntimeError(
+                "the ubatches left different linear-attention states in one cache layer "
+                f"({flags}); each must run the same forward on its rows"
+            )
+        if flags:
+            whole.has_previous_state = dict(flags[0])

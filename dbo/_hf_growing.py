@@ -158,7 +158,7 @@ def growing_state(cache: Any, batch_size: int, num_ubatches: int) -> Growing:
     growing.num_ubatches = num_ubatches
     for index, layer in enumerate(cache.layers):
         shared = growing.layer(index)
-        if not layer.is_sliding and not shared.holds(layer):  # windows: not kept here
+        if type(layer) is DynamicLayer and not shared.holds(layer):  # others: not kept here
             shared.refill(layer)
     for shared in growing.layers:
         shared.start(num_ubatches)

@@ -17,9 +17,12 @@ from hf_moe import build_model  # noqa: E402 - the example's builder
 
 VOCAB = 64
 PAD = 0
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2", "mistral"]
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "nemotron_h", "qwen2",
+         "mistral", "mamba"]
 """MoE ones and dense ones; GPT-OSS (alternating) and Mistral (every layer) attend through
-sliding windows of `WINDOW` tokens, which a prompt and a few new tokens overflow."""
+sliding windows of `WINDOW` tokens, which a prompt and a few new tokens overflow; Mamba's
+layers keep linear-attention (conv and recurrent) states, and Nemotron-H has a Mamba, an
+MoE, an attention and an MLP layer."""
 WINDOW = 4
 SLIDING = ("gpt_oss", "mistral")
 
@@ -36,6 +39,18 @@ def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
     elif kind == "mistral":
         config = transformers.MistralConfig(sliding_window=WINDOW, **dense)
         model = transformers.MistralForCausalLM(config).eval()
+    elif kind == "mamba":
+        config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                          num_hidden_layers=2)
+        model = transformers.MambaForCausalLM(config).eval()
+    elif kind == "nemotron_h":
+        config = transformers.NemotronHConfig(
+            hybrid_override_pattern="ME*-", mamba_num_heads=4, mamba_head_dim=16, n_groups=1,
+            ssm_state_size=8, head_dim=8, n_routed_experts=num_experts, num_experts_per_tok=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_group=1,
+            topk_group=1, **dense,
+        )
+        model = transformers.NemotronHForCausalLM(config).eval()
     elif kind == "gpt_oss":
         config = transformers.GptOssConfig(
             num_local_experts=num_experts, num_experts_per_tok=2, head_dim=8,

@@ -276,7 +276,7 @@ def test_beam_search_reorders_the_cache_between_steps_and_stays_token_identical(
     """Beam search reorders the caller's cache outside the overlap (new tensors): the next
     step's split starts from the reordered cache."""
     for kind, cache in (("qwen2_moe", "dynamic"), ("qwen2_moe", "static"),
-                        ("mistral", "dynamic")):  # Mistral: sliding windows
+                        ("mistral", "dynamic"), ("mamba", "dynamic")):
         model = tiny_model(kind)
         ids, mask = prompts(4, 6, seed=1)
         expected, got = both(model, ids, mask, ALWAYS, max_new_tokens=6, num_beams=2,
@@ -337,12 +337,38 @@ def test_a_static_cache_in_capture_graph_advances_once_per_run_warmups_included(
     assert int(cache.get_seq_length()) == 6 + 3
 
 
-def test_a_static_cache_whose_windows_a_failed_call_rolled_is_refused_not_reused() -> None:
-    """A StaticCache's sliding windows are written in place; once full, a write rolls them.
-    A call that fails before the windows are full leaves the cache as before (the step can
-    run again); one that rolled them leaves windows that lost tokens: the next call is
-    refused instead of generating from them."""
+def test_linear_attention_states_in_capture_graph_advance_once_per_run_in_place(
+    eager_capture: None,
+) -> None:
+    """Mamba's states are written in place (a replay repeats the writes): after the
+    warmups and the captured run, the caller's states are those of three steps."""
     transformers = pytest.importorskip("transformers")
+    model = tiny_model("mamba")
+    ids, mask = prompts(4, 6, seed=3)
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    step = _logits_step(model)
+    with torch.no_grad():
+        dbo.overlap(step, timeout_s=30)(ids, mask, caches[0])
+        storages = [layer.recurrent_states[0].data_ptr() for layer in caches[0].layers]
+        dbo.capture_graph(step, ids[:, -1:], mask, caches[0], warmup=2)
+        step(ids, mask, caches[1])
+        for _ in range(3):
+            step(ids[:, -1:], mask, caches[1])
+    for mine, theirs in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(mine.conv_states[0], theirs.conv_states[0])
+        torch.testing.assert_close(mine.recurrent_states[0], theirs.recurrent_states[0])
+    assert [layer.recurrent_states[0].data_ptr() for layer in caches[0].layers] == storages
+
+
+def test_a_cache_whose_windows_or_states_a_failed_call_overwrote_is_refused_not_reused(
+) -> None:
+    """A StaticCache's sliding windows are written in place, and once full a write rolls
+    them; linear-attention states are overwritten by every call. A call that fails before
+    overwriting leaves the cache as before (the step can run again); one that overwrote
+    leaves windows or states that no longer match the tokens: the next call is refused
+    instead of generating from them."""
+    transformers = pytest.importorskip("transformers")
+    refused = "written in place by an overlapped call that failed"
     model = tiny_model("mistral")
     ids, mask = prompts(5, WINDOW - 1, seed=4)  # the prefill leaves the windows not full
     expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
@@ -352,8 +378,15 @@ def test_a_static_cache_whose_windows_a_failed_call_rolled_is_refused_not_reused
         got = _own_decode_loop(model, ids, mask, cache, 8, fail_at)
         assert torch.equal(got, expected), fail_at
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)
-    with pytest.raises(ValueError, match="rolled in place by an overlapped call that failed"):
+    with pytest.raises(ValueError, match=refused):
         _own_decode_loop(model, ids, mask, cache, 8, fail_at=2)  # step 2 rolls the windows
+    model = tiny_model("mamba")
+    expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(_own_decode_loop(model, ids, mask, transformers.DynamicCache(
+        config=model.config), 8), expected)
+    with pytest.raises(ValueError, match=refused):
+        _own_decode_loop(model, ids, mask, transformers.DynamicCache(config=model.config), 8,
+                         fail_at=0)
 
 
 @pytest.mark.parametrize(("kind", "cache_kind", "message"), [
@@ -381,3 +414,19 @@ def test_a_cache_a_replay_cannot_advance_is_refused_in_capture_graph_before_the_
         with pytest.raises(ValueError, match=message):
             dbo.capture_graph(step, ids[:, -1:], torch.cat([mask, mask[:, :1]], dim=1), cache)
     assert int(cache.get_seq_length()) == 6
+
+
+def test_caches_the_ubatches_make_with_windows_and_states_are_joined_by_rows() -> None:
+    """A forward called without a cache: each ubatch makes its own (Nemotron-H: Mamba
+    states, attention keys, layers holding nothing), joined into one of every row."""
+    model = tiny_model("nemotron_h")
+    ids, mask = prompts(4, 6, seed=5)
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask, use_cache=True).cache
+        joined = dbo.overlap(model, timeout_s=30)(ids, attention_mask=mask, use_cache=True).cache
+    assert [type(layer) for layer in joined.layers] == [type(layer) for layer in whole.layers]
+    mamba, attention = joined.layers[0], joined.layers[2]
+    assert mamba.has_previous_state == whole.layers[0].has_previous_state == {0: True}
+    torch.testing.assert_close(mamba.conv_states[0], whole.layers[0].conv_states[0])
+    torch.testing.assert_close(mamba.recurrent_states[0], whole.layers[0].recurrent_states[0])
+    torch.testing.assert_close(attention.keys, whole.layers[2].keys)
