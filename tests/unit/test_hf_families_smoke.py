@@ -1,6 +1,6 @@
 """`benchmarks/hf_families.py` tells families that generate the same tokens under DBO
-(one with sliding-window layers among them) from one dbo refuses (Mamba's linear-attention
-layers), its --json too."""
+(one with sliding-window layers among them) from one dbo refuses (Falcon-H1's layers that
+hold attention keys and Mamba states in one), its --json too."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_families.py"
 @pytest.mark.timeout(180)
 def test_the_families_survey_reports_equal_and_refused_families() -> None:
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "qwen2_moe,gemma2,mamba", "--json"],
+        [sys.executable, str(SCRIPT), "--only", "qwen2_moe,gemma2,falcon_h1", "--json"],
         capture_output=True, text=True, timeout=170,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -26,6 +26,6 @@ def test_the_families_survey_reports_equal_and_refused_families() -> None:
     families = result["families"]
     assert families["qwen2_moe"] == {"outcome": "equal"}, families
     assert families["gemma2"] == {"outcome": "equal"}, families
-    assert families["mamba"]["outcome"] == "refused", families
-    assert "LinearAttentionLayer" in families["mamba"]["why"], families
+    assert families["falcon_h1"]["outcome"] == "refused", families
+    assert "LinearAttentionAndFullAttentionLayer" in families["falcon_h1"]["why"], families
     assert result["counts"] == {"equal": 2, "refused": 1}
