@@ -15,14 +15,16 @@ Each ubatch's cache holds one view per layer (`dbo._hf_layers`, `dbo._hf_growing
   and the call's end joins the windows (one more copy of the window per call). Not in
   `capture_graph`: its lengths live in Python, which a replay does not run.
 - Linear-attention (Mamba) layers, in either: views of the rows of their conv and
-  recurrent states, written in place. Layers that hold nothing are shared.
+  recurrent states, written in place. Layers that hold nothing are shared. Indexed
+  layers (sparse attention: DeepSeek-V3.2 and kin) keep their keys and values as a
+  full-attention layer of their cache kind does, and indexer keys beside them.
 
 The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
 states): such a cache is refused afterwards. Caches of other kinds, layers of other
-kinds (quantized, indexed, attention and linear states in one layer) and offloading are
-refused, named. Caches that the ubatches create themselves (a forward called without
+kinds (quantized, attention and linear states in one layer) and offloading are refused,
+named. Caches that the ubatches create themselves (a forward called without
 one, `use_cache=True`) are joined once along the batch. This module imports
 `transformers`: `dbo` imports it only once `transformers` is (a cache is met, or
 `dbo.hf` is used).
@@ -37,17 +39,29 @@ from transformers.cache_utils import (
     Cache,
     DummyLayer,
     DynamicCache,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionLayer,
     StaticCache,
+    StaticIndexedLayer,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
 
 from dbo import stateful
 from dbo._hf_growing import Growing, GrowingRows, NewLayer, growing_state
-from dbo._hf_layers import JOINS, StateRows, StaticRows, StaticWindowRows, WindowRows, join_windows
+from dbo._hf_layers import (
+    JOINS,
+    IndexedRows,
+    StateRows,
+    StaticIndexedRows,
+    StaticRows,
+    StaticWindowRows,
+    WindowRows,
+    join_indexers,
+    join_windows,
+)
 from dbo.api import at_ubatch_exit, run_state
 from dbo.graphs import capturing
 
@@ -71,7 +85,8 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     call = _Call(cache, len(rows))
     if isinstance(cache, StaticCache):
         kinds: dict[Any, Any] = {
-            StaticSlidingWindowLayer: StaticWindowRows, LinearAttentionLayer: StateRows
+            StaticSlidingWindowLayer: StaticWindowRows, LinearAttentionLayer: StateRows,
+            StaticIndexedLayer: StaticIndexedRows,
         }
         call.children = [
             _child(cache, call, [
@@ -92,6 +107,8 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
             else StateRows(layer, call, ubatch, start, stop, batch_size)
             if type(layer) is LinearAttentionLayer
             else layer if type(layer) is DummyLayer  # holds nothing: shared
+            else IndexedRows(layer, shared, call, ubatch, start, stop)
+            if type(layer) is DynamicIndexedLayer
             else GrowingRows(shared, call, ubatch, start, stop)
             for layer, shared in zip(cache.layers, growing.layers)
         ]
@@ -159,11 +176,16 @@ class _Call:
                 if type(layer) is DynamicSlidingWindowLayer:
                     parts = [child.layers[index] for child in self.children]
                     shared.bytes_written += join_windows(layer, parts)
-                elif type(layer) is DynamicLayer:
+                elif type(layer) in (DynamicLayer, DynamicIndexedLayer):
                     shared.finish(layer)
+                if type(layer) is DynamicIndexedLayer:
+                    parts = [child.layers[index] for child in self.children]
+                    shared.bytes_written += join_indexers(layer, parts)
             return
         for index, layer in enumerate(self.whole.layers):
-            if type(layer) not in (StaticLayer, StaticSlidingWindowLayer):
+            if type(layer) is StaticIndexedLayer:
+                StaticIndexedRows.finish(layer, [child.layers[index] for child in self.children])
+            if type(layer) not in (StaticLayer, StaticSlidingWindowLayer, StaticIndexedLayer):
                 continue
             written = {child.layers[index].written for child in self.children}
             if len(written) != 1:
@@ -185,13 +207,16 @@ class _Call:
 def _check_supported(cache: Any) -> None:
     supported = {
         DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
-                       DummyLayer),
-        StaticCache: (StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, DummyLayer),
+                       DummyLayer, DynamicIndexedLayer),
+        StaticCache: (StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, DummyLayer,
+                      StaticIndexedLayer),
     }
     layer_kinds = supported.get(type(cache), ())
     odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
     odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
             if type(layer) is LinearAttentionLayer and layer.record_past]
+    odd += [f"{type(layer).__name__} (with indexer positions)" for layer in cache.layers
+            if getattr(layer, "indexer_position_ids", None) is not None]
     lazy = cache.layer_class_to_replicate
     if not layer_kinds or odd or getattr(cache, "offloading", False) or (
         lazy is not None and lazy is not layer_kinds[0]

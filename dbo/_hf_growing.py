@@ -13,7 +13,7 @@ import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
 
 
 def check_rows(kind: str, have: int, batch_size: int) -> None:
@@ -158,7 +158,8 @@ def growing_state(cache: Any, batch_size: int, num_ubatches: int) -> Growing:
     growing.num_ubatches = num_ubatches
     for index, layer in enumerate(cache.layers):
         shared = growing.layer(index)
-        if type(layer) is DynamicLayer and not shared.holds(layer):  # others: not kept here
+        kept_here = type(layer) in (DynamicLayer, DynamicIndexedLayer)  # their keys, values
+        if kept_here and not shared.holds(layer):
             shared.refill(layer)
     for shared in growing.layers:
         shared.start(num_ubatches)

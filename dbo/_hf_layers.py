@@ -7,6 +7,9 @@ caches of their own.
 - `WindowRows`: rows of a `DynamicSlidingWindowLayer`, the layer's own update on new
   tensors; the call's end joins the windows (`join_windows`).
 - `StateRows`: rows of a `LinearAttentionLayer`'s conv and recurrent states, in place.
+- `IndexedRows`, `StaticIndexedRows`: rows of the indexed layers of sparse attention
+  (DeepSeek-V3.2 and kin): keys and values as a full-attention layer's, the indexer keys
+  (`[B, S, D]`) the way of the layer's kind.
 
 A DynamicCache's full-attention layers are `dbo._hf_growing`'s. Each enters the call
 (`_Call.enter`) at its first write, which brings the caller's cache up to date when the
@@ -21,6 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import (
     DummyLayer,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionLayer,
@@ -28,7 +32,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from dbo._hf_growing import check_rows
+from dbo._hf_growing import GrowingRows, check_rows
 from dbo.api import run_state
 from dbo.graphs import capturing
 
@@ -170,9 +174,23 @@ def _joined_states(parts: list[Any]) -> Any:
     return layer
 
 
+def _joined_indexed(parts: list[Any]) -> Any:
+    """One DynamicIndexedLayer of the rows of `parts`: keys, values and indexer keys."""
+    if any(part.indexer_position_ids is not None for part in parts):
+        raise ValueError(
+            "dbo does not join the indexer positions this model keeps on its cache layers "
+            "(indexer_position_ids); pass use_cache=False"
+        )
+    layer = _joined_keys(parts)
+    if all(part.is_indexer_initialized for part in parts):
+        _fill_indexer(layer, parts)
+    return layer
+
+
 JOINS: dict[Any, Any] = {
     DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
     LinearAttentionLayer: _joined_states, DummyLayer: lambda parts: DummyLayer(),
+    DynamicIndexedLayer: _joined_indexed,
 }
 """How to join each kind of layer the ubatches made in caches of their own."""
 
@@ -342,3 +360,107 @@ class StateRows(LinearAttentionLayer):
             )
         if flags:
             whole.has_previous_state = dict(flags[0])
+
+
+class IndexedRows(GrowingRows, DynamicIndexedLayer):
+    """Rows [start, stop) of a whole `DynamicIndexedLayer`: keys and values in the shared
+    buffers (`GrowingRows`); the indexer keys by the layer's own update (a `torch.cat`)
+    on views of the rows, taken afresh at each run's first, joined into the caller's layer
+    at the call's end (`join_indexers`: one copy of the indexer keys, a single head)."""
+
+    def __init__(
+        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int
+    ) -> None:
+        super().__init__(shared, call, ubatch, start, stop)
+        self.whole = whole
+        self.run: object = None
+        self.updated_indexer = False
+        self._take_indexer()
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """The layer's own update of the indexer keys, on this ubatch's rows."""
+        self.call.enter(self.ubatch)
+        if self.run is not run_state():
+            self.run = run_state()
+            self._take_indexer()
+        self.updated_indexer = True
+        return DynamicIndexedLayer.update_indexer(self, indexer_key_states)
+
+    def _take_indexer(self) -> None:
+        whole, self.updated_indexer = self.whole, False
+        self.is_indexer_initialized = whole.is_indexer_initialized
+        if whole.is_indexer_initialized:
+            self.indexer_dtype, self.indexer_device = whole.indexer_dtype, whole.indexer_device
+            keys = whole.indexer_keys
+            self.indexer_keys = keys[self.rows] if keys.ndim == 3 else keys
+
+
+def join_indexers(whole: Any, parts: list[IndexedRows]) -> int:
+    """The caller's indexer keys after a call: the ubatches', joined if they wrote them;
+    the bytes written. Indexer positions set on the layer are refused."""
+    if any(part.indexer_position_ids is not None for part in parts):
+        raise ValueError(
+            "dbo does not split the indexer positions this model keeps on its cache layers "
+            "(indexer_position_ids); pass use_cache=False"
+        )
+    if not any(part.updated_indexer for part in parts):
+        return 0
+    if not all(part.updated_indexer for part in parts):
+        raise RuntimeError(
+            "some ubatches did not write indexer keys into a cache layer the others wrote "
+            "into; each must run the same forward on its rows"
+        )
+    _fill_indexer(whole, parts)
+    for part in parts:
+        part.updated_indexer = False
+    return int(whole.indexer_keys.nbytes)
+
+
+def _fill_indexer(whole: Any, parts: list[Any]) -> None:
+    keys: list[Any] = [part.indexer_keys for part in parts]
+    if not whole.is_indexer_initialized:
+        whole.lazy_initialization_indexer(keys[0])
+    whole.indexer_keys = torch.cat(keys)
+
+
+class StaticIndexedRows(StaticRows):
+    """Rows [start, stop) of a whole `StaticIndexedLayer`: keys and values as
+    `StaticRows`; the indexer keys (`[B, max_len, D]`) written in place at the caller's
+    indexer length, which every ubatch reads and none changes; the call's end advances it
+    once (in place: a graph replays it)."""
+
+    indexer_written: int | None = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """`StaticIndexedLayer.update_indexer` on this ubatch's rows, leaving the length."""
+        self.call.enter(self.ubatch)
+        whole = self.whole
+        if not whole.is_indexer_initialized:  # all rows, on the first write of any ubatch
+            whole.lazy_initialization_indexer(indexer_key_states[:1].expand(
+                (self.whole_batch, *indexer_key_states.shape[1:])))
+        keys = whole.indexer_keys[self.rows]
+        length = indexer_key_states.shape[1]
+        positions = torch.arange(length, device=keys.device) + whole.indexer_cumulative_length
+        keys.index_copy_(1, positions, indexer_key_states)
+        self.indexer_written = length
+        return keys
+
+    @staticmethod
+    def finish(whole: Any, parts: list[StaticIndexedRows]) -> None:
+        """Advance the caller's indexer length by the tokens each ubatch wrote."""
+        if any(getattr(part, "indexer_position_ids", None) is not None for part in parts):
+            raise ValueError(
+                "dbo does not split the indexer positions this model keeps on its cache "
+                "layers (indexer_position_ids); pass use_cache=False"
+            )
+        written = {part.indexer_written for part in parts}
+        if len(written) != 1:
+            raise RuntimeError(
+                f"the ubatches wrote different numbers of indexer keys into one StaticCache "
+                f"layer ({sorted(written, key=str)}); each must run the same forward on its rows"
+            )
+        (count,) = written
+        if count:
+            whole.indexer_cumulative_length.add_(count)
+        for part in parts:
+            part.indexer_written = None

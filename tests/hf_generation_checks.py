@@ -17,12 +17,14 @@ from hf_moe import build_model  # noqa: E402 - the example's builder
 
 VOCAB = 64
 PAD = 0
-KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss", "nemotron_h", "qwen2",
-         "mistral", "mamba"]
+KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss",
+         "nemotron_h", "qwen2", "mistral", "mamba"]
 """MoE ones and dense ones; GPT-OSS (alternating) and Mistral (every layer) attend through
 sliding windows of `WINDOW` tokens, which a prompt and a few new tokens overflow; Mamba's
 layers keep linear-attention (conv and recurrent) states, and Nemotron-H has a Mamba, an
-MoE, an attention and an MLP layer."""
+MoE, an attention and an MLP layer; DeepSeek-V3.2's sparse attention keeps indexer keys
+and attends to the `SPARSE_TOPK` tokens they select."""
+SPARSE_TOPK = 4
 WINDOW = 4
 SLIDING = ("gpt_oss", "mistral")
 
@@ -51,6 +53,15 @@ def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
             topk_group=1, **dense,
         )
         model = transformers.NemotronHForCausalLM(config).eval()
+    elif kind == "deepseek_v32":
+        config = transformers.DeepseekV32Config(
+            n_routed_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, index_n_heads=2, index_head_dim=16,
+            index_topk=SPARSE_TOPK, mlp_layer_types=["dense", "sparse"],
+            **{**dense, "num_key_value_heads": 4},
+        )
+        model = transformers.DeepseekV32ForCausalLM(config).eval()
     elif kind == "gpt_oss":
         config = transformers.GptOssConfig(
             num_local_experts=num_experts, num_experts_per_tok=2, head_dim=8,

@@ -116,13 +116,25 @@ def test_the_cache_generate_returns_equals_the_one_without_dbo() -> None:
             torch.testing.assert_close(mine.values, theirs.values)
 
 
-@pytest.mark.parametrize("kind", SLIDING)
+def _layer_state(layer: Any) -> dict[str, Any]:
+    """What a cache layer holds: its tensors and its lengths and flags, by name."""
+    state = {name: getattr(layer, name) for name in (
+        "keys", "values", "indexer_keys", "cumulative_length", "cumulative_length_int",
+        "indexer_cumulative_length", "has_previous_state") if hasattr(layer, name)}
+    for name in ("conv_states", "recurrent_states"):
+        state.update({f"{name}[{index}]": states
+                      for index, states in getattr(layer, name, {}).items()})
+    return state
+
+
+@pytest.mark.parametrize("kind", [*SLIDING, "mamba", "nemotron_h", "deepseek_v32"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_sliding_window_layers_hold_the_windows_and_lengths_of_generate_without_dbo(
+def test_every_kind_of_layer_holds_what_generate_without_dbo_leaves(
     kind: str, cache: str,
 ) -> None:
-    """Each call's windows are those of transformers' own layer, whether the call overflows
-    the window or not (prompts shorter and longer than it)."""
+    """Sliding windows (prompts shorter and longer than them), linear-attention states and
+    indexer keys end as transformers' own layers leave them: the same tensors (up to the
+    rounding of rows computed apart), lengths and flags."""
     model = tiny_model(kind)
     for length in (WINDOW - 2, WINDOW + 3):
         ids, mask = prompts(5, length, seed=length)
@@ -130,18 +142,22 @@ def test_sliding_window_layers_hold_the_windows_and_lengths_of_generate_without_
                        cache_implementation=cache)
         expected, got = both(model, ids, mask, ALWAYS, **options)
         assert torch.equal(got.sequences, expected.sequences), length
-        kinds = [type(layer).__name__ for layer in got.cache.layers]
-        assert f"{cache.title()}SlidingWindowLayer" in kinds, kinds
-        if cache == "dynamic":
+        if kind in SLIDING and cache == "dynamic":
             windows = sum(layer.keys.nbytes + layer.values.nbytes
                           for layer in got.cache.layers if layer.is_sliding)
             # The last call alone: the layer's own torch.cat (window + 1), the joined window.
             assert dbo.hf.cache_bytes_written(got.cache) >= 2 * windows
         for mine, theirs in zip(got.cache.layers, expected.cache.layers):
             assert type(mine) is type(theirs)
-            assert mine.get_seq_length() == theirs.get_seq_length()
-            torch.testing.assert_close(mine.keys, theirs.keys)  # rows computed apart
-            torch.testing.assert_close(mine.values, theirs.values)
+            mine, theirs = _layer_state(mine), _layer_state(theirs)
+            assert mine.keys() == theirs.keys() and mine, (kind, cache)
+            for name, value in theirs.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    torch.testing.assert_close(mine[name], value, msg=name)
+                elif isinstance(value, torch.Tensor):
+                    assert torch.equal(mine[name], value), name
+                else:
+                    assert mine[name] == value, name
 
 
 def test_a_decode_step_writes_its_token_in_place_without_copying_the_cache_back() -> None:
@@ -196,6 +212,11 @@ def test_a_cache_of_an_unsupported_kind_is_refused_naming_it() -> None:
     step = dbo.overlap(model.forward, timeout_s=30)
     with pytest.raises(ValueError, match="OwnLayer layers.*use_cache=False"):
         step(ids, attention_mask=mask, cache=cache, use_cache=True)
+    model = tiny_model("deepseek_v32")  # positions some models keep on indexed layers
+    cache = transformers.DynamicCache(config=model.config)
+    cache.layers[0].indexer_position_ids = torch.zeros(3, 4, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"DynamicIndexedLayer \(with indexer positions\)"):
+        dbo.overlap(model.forward, timeout_s=30)(ids, attention_mask=mask, cache=cache)
     with pytest.raises(ValueError, match="rows but the batch has 4"):
         small = transformers.DynamicCache(config=model.config)
         model(ids[:2], attention_mask=mask[:2], cache=small, use_cache=True)
@@ -416,17 +437,22 @@ def test_a_cache_a_replay_cannot_advance_is_refused_in_capture_graph_before_the_
     assert int(cache.get_seq_length()) == 6
 
 
-def test_caches_the_ubatches_make_with_windows_and_states_are_joined_by_rows() -> None:
+@pytest.mark.parametrize("kind", ["nemotron_h", "deepseek_v32", "gpt_oss"])
+def test_caches_the_ubatches_make_of_every_kind_of_layer_are_joined_by_rows(kind: str) -> None:
     """A forward called without a cache: each ubatch makes its own (Nemotron-H: Mamba
-    states, attention keys, layers holding nothing), joined into one of every row."""
-    model = tiny_model("nemotron_h")
-    ids, mask = prompts(4, 6, seed=5)
+    states, attention keys, layers holding nothing; DeepSeek-V3.2: indexer keys; GPT-OSS:
+    windows), joined into one of every row, as the whole batch's forward makes it."""
+    model = tiny_model(kind)
+    ids, mask = prompts(4, WINDOW + 2, seed=5)
     with torch.no_grad():
         whole = model(ids, attention_mask=mask, use_cache=True).cache
         joined = dbo.overlap(model, timeout_s=30)(ids, attention_mask=mask, use_cache=True).cache
     assert [type(layer) for layer in joined.layers] == [type(layer) for layer in whole.layers]
-    mamba, attention = joined.layers[0], joined.layers[2]
-    assert mamba.has_previous_state == whole.layers[0].has_previous_state == {0: True}
-    torch.testing.assert_close(mamba.conv_states[0], whole.layers[0].conv_states[0])
-    torch.testing.assert_close(mamba.recurrent_states[0], whole.layers[0].recurrent_states[0])
-    torch.testing.assert_close(attention.keys, whole.layers[2].keys)
+    for mine, theirs in zip(joined.layers, whole.layers):
+        mine, theirs = _layer_state(mine), _layer_state(theirs)
+        assert mine.keys() == theirs.keys(), kind
+        for name, value in theirs.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(mine[name], value, msg=name)
+            else:
+                assert mine[name] == value, name
