@@ -15,7 +15,8 @@ Each ubatch's cache holds one view per layer (`dbo._hf_layers`, `dbo._hf_growing
   and the call's end joins the windows (one more copy of the window per call). Not in
   `capture_graph`: its lengths live in Python, which a replay does not run.
 - Linear-attention (Mamba) layers, in either: views of the rows of their conv and
-  recurrent states, written in place. Layers that hold nothing are shared. Indexed
+  recurrent states, written in place; layers holding keys and states both combine the
+  two ways. Layers that hold nothing are shared. Indexed
   layers (sparse attention: DeepSeek-V3.2 and kin) keep their keys and values as a
   full-attention layer of their cache kind does, and indexer keys beside them.
 
@@ -23,7 +24,7 @@ The caller's cache is brought up to date as the last ubatch returns (`_Call`), w
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
 states): such a cache is refused afterwards. Caches of other kinds, layers of other
-kinds (quantized, attention and linear states in one layer) and offloading are refused,
+kinds (quantized, sliding windows beside linear states) and offloading are refused,
 named. Caches that the ubatches create themselves (a forward called without
 one, `use_cache=True`) are joined once along the batch. This module imports
 `transformers`: `dbo` imports it only once `transformers` is (a cache is met, or
@@ -42,6 +43,8 @@ from transformers.cache_utils import (
     DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndStaticFullAttentionLayer,
     LinearAttentionLayer,
     StaticCache,
     StaticIndexedLayer,
@@ -50,11 +53,13 @@ from transformers.cache_utils import (
 )
 
 from dbo import stateful
-from dbo._hf_growing import Growing, GrowingRows, NewLayer, growing_state
+from dbo._hf_growing import KEPT_IN_BUFFERS, Growing, GrowingRows, NewLayer, growing_state
 from dbo._hf_layers import (
     JOINS,
+    HybridRows,
     IndexedRows,
     StateRows,
+    StaticHybridRows,
     StaticIndexedRows,
     StaticRows,
     StaticWindowRows,
@@ -64,6 +69,10 @@ from dbo._hf_layers import (
 )
 from dbo.api import at_ubatch_exit, run_state
 from dbo.graphs import capturing
+
+_WITH_STATES = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
+                LinearAttentionAndStaticFullAttentionLayer)
+"""The layers holding linear-attention states (`StateRows`), alone or beside keys."""
 
 _REGISTERED = False
 
@@ -87,6 +96,7 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
         kinds: dict[Any, Any] = {
             StaticSlidingWindowLayer: StaticWindowRows, LinearAttentionLayer: StateRows,
             StaticIndexedLayer: StaticIndexedRows,
+            LinearAttentionAndStaticFullAttentionLayer: StaticHybridRows,
         }
         call.children = [
             _child(cache, call, [
@@ -109,6 +119,8 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
             else layer if type(layer) is DummyLayer  # holds nothing: shared
             else IndexedRows(layer, shared, call, ubatch, start, stop)
             if type(layer) is DynamicIndexedLayer
+            else HybridRows(layer, shared, call, ubatch, start, stop, batch_size)
+            if type(layer) is LinearAttentionAndFullAttentionLayer
             else GrowingRows(shared, call, ubatch, start, stop)
             for layer, shared in zip(cache.layers, growing.layers)
         ]
@@ -166,7 +178,7 @@ class _Call:
 
     def _finish(self) -> None:
         for index, layer in enumerate(self.whole.layers):
-            if type(layer) is LinearAttentionLayer:
+            if type(layer) in _WITH_STATES:
                 StateRows.finish(layer, [child.layers[index] for child in self.children])
         self.whole._dbo_overwritten = False  # the call ended: windows and states are right
         if self.growing is not None:
@@ -176,7 +188,7 @@ class _Call:
                 if type(layer) is DynamicSlidingWindowLayer:
                     parts = [child.layers[index] for child in self.children]
                     shared.bytes_written += join_windows(layer, parts)
-                elif type(layer) in (DynamicLayer, DynamicIndexedLayer):
+                elif type(layer) in KEPT_IN_BUFFERS:
                     shared.finish(layer)
                 if type(layer) is DynamicIndexedLayer:
                     parts = [child.layers[index] for child in self.children]
@@ -185,7 +197,8 @@ class _Call:
         for index, layer in enumerate(self.whole.layers):
             if type(layer) is StaticIndexedLayer:
                 StaticIndexedRows.finish(layer, [child.layers[index] for child in self.children])
-            if type(layer) not in (StaticLayer, StaticSlidingWindowLayer, StaticIndexedLayer):
+            if type(layer) not in (StaticLayer, StaticSlidingWindowLayer, StaticIndexedLayer,
+                                   LinearAttentionAndStaticFullAttentionLayer):
                 continue
             written = {child.layers[index].written for child in self.children}
             if len(written) != 1:
@@ -207,14 +220,14 @@ class _Call:
 def _check_supported(cache: Any) -> None:
     supported = {
         DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
-                       DummyLayer, DynamicIndexedLayer),
+                       DummyLayer, DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer),
         StaticCache: (StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, DummyLayer,
-                      StaticIndexedLayer),
+                      StaticIndexedLayer, LinearAttentionAndStaticFullAttentionLayer),
     }
     layer_kinds = supported.get(type(cache), ())
     odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
     odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
-            if type(layer) is LinearAttentionLayer and layer.record_past]
+            if type(layer) in _WITH_STATES and layer.record_past]
     odd += [f"{type(layer).__name__} (with indexer positions)" for layer in cache.layers
             if getattr(layer, "indexer_position_ids", None) is not None]
     lazy = cache.layer_class_to_replicate

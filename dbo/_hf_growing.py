@@ -13,7 +13,14 @@ import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer
+from transformers.cache_utils import (
+    DynamicIndexedLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+)
+
+KEPT_IN_BUFFERS = (DynamicLayer, DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer)
+"""The layers whose keys and values are kept here (the others' are not)."""
 
 
 def check_rows(kind: str, have: int, batch_size: int) -> None:
@@ -158,8 +165,7 @@ def growing_state(cache: Any, batch_size: int, num_ubatches: int) -> Growing:
     growing.num_ubatches = num_ubatches
     for index, layer in enumerate(cache.layers):
         shared = growing.layer(index)
-        kept_here = type(layer) in (DynamicLayer, DynamicIndexedLayer)  # their keys, values
-        if kept_here and not shared.holds(layer):
+        if type(layer) in KEPT_IN_BUFFERS and not shared.holds(layer):
             shared.refill(layer)
     for shared in growing.layers:
         shared.start(num_ubatches)

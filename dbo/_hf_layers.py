@@ -7,6 +7,8 @@ caches of their own.
 - `WindowRows`: rows of a `DynamicSlidingWindowLayer`, the layer's own update on new
   tensors; the call's end joins the windows (`join_windows`).
 - `StateRows`: rows of a `LinearAttentionLayer`'s conv and recurrent states, in place.
+- `HybridRows`, `StaticHybridRows`: rows of a layer holding both attention keys and
+  linear-attention states (Falcon-H1, Zamba): the two classes above it combines.
 - `IndexedRows`, `StaticIndexedRows`: rows of the indexed layers of sparse attention
   (DeepSeek-V3.2 and kin): keys and values as a full-attention layer's, the indexer keys
   (`[B, S, D]`) the way of the layer's kind.
@@ -27,6 +29,7 @@ from transformers.cache_utils import (
     DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
     StaticLayer,
     StaticSlidingWindowLayer,
@@ -154,8 +157,11 @@ def _joined_keys(parts: list[Any]) -> Any:
 
 
 def _joined_states(parts: list[Any]) -> Any:
-    """One LinearAttentionLayer of the rows of `parts` (the same states of each)."""
-    layer = LinearAttentionLayer(number_of_states=parts[0].number_of_states)
+    """One LinearAttentionLayer of the rows of `parts` (the same states of each); with
+    attention keys too (`LinearAttentionAndFullAttentionLayer`), those joined as well."""
+    layer = type(parts[0])(number_of_states=parts[0].number_of_states)
+    if isinstance(layer, DynamicLayer) and all(part.is_initialized for part in parts):
+        _fill(layer, parts)
     for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
                  "is_conv_states_initialized", "is_recurrent_states_initialized"):
         values = [getattr(part, name) for part in parts]
@@ -189,8 +195,8 @@ def _joined_indexed(parts: list[Any]) -> Any:
 
 JOINS: dict[Any, Any] = {
     DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
-    LinearAttentionLayer: _joined_states, DummyLayer: lambda parts: DummyLayer(),
-    DynamicIndexedLayer: _joined_indexed,
+    LinearAttentionLayer: _joined_states, LinearAttentionAndFullAttentionLayer: _joined_states,
+    DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: _joined_indexed,
 }
 """How to join each kind of layer the ubatches made in caches of their own."""
 
@@ -319,11 +325,14 @@ class StateRows(LinearAttentionLayer):
                 return None
             return states[:1].expand((self.whole_batch, *states.shape[1:])).contiguous()
 
-        conv = all_rows(conv_states, whole.is_conv_states_initialized)
-        recurrent = all_rows(recurrent_states, whole.is_recurrent_states_initialized)
-        if conv is not None or recurrent is not None:
-            whole.lazy_initialization(conv_states=conv, recurrent_states=recurrent,
-                                      state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+        given = dict(  # only those given: transformers' hybrid layers count them
+            conv_states=all_rows(conv_states, whole.is_conv_states_initialized),
+            recurrent_states=all_rows(recurrent_states, whole.is_recurrent_states_initialized),
+            conv_kernel_size=conv_kernel_size,
+        )
+        given = {name: value for name, value in given.items() if value is not None}
+        if "conv_states" in given or "recurrent_states" in given:
+            whole.lazy_initialization(state_idx=state_idx, **given)
         flags = self._flags
         self._take_rows()
         self._flags = flags  # this ubatch's, as the call left them so far
@@ -464,3 +473,38 @@ class StaticIndexedRows(StaticRows):
             whole.indexer_cumulative_length.add_(count)
         for part in parts:
             part.indexer_written = None
+
+
+class HybridRows(StateRows, GrowingRows):  # type: ignore[misc,override]  # transformers' own hybrids mix them too
+    """Rows [start, stop) of a whole `LinearAttentionAndFullAttentionLayer`: its keys and
+    values as `GrowingRows`, its states as `StateRows`."""
+
+    def __init__(
+        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
+    ) -> None:
+        GrowingRows.__init__(self, shared, call, ubatch, start, stop)
+        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The states' (keyword arguments); the keys are the shared buffers'."""
+        StateRows.lazy_initialization(self, **kwargs)
+
+
+class StaticHybridRows(StateRows, StaticRows):  # type: ignore[misc,override]  # transformers' own hybrids mix them too
+    """Rows [start, stop) of a whole `LinearAttentionAndStaticFullAttentionLayer`: its
+    keys and values as `StaticRows`, its states as `StateRows`."""
+
+    def __init__(
+        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
+        StaticRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The keys' (two positional arguments, as `transformers`' hybrid layers tell them
+        apart) or the states' (keyword arguments)."""
+        if args:
+            StaticRows.lazy_initialization(self, *args)
+        else:
+            StateRows.lazy_initialization(self, **kwargs)

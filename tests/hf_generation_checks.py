@@ -18,12 +18,13 @@ from hf_moe import build_model  # noqa: E402 - the example's builder
 VOCAB = 64
 PAD = 0
 KINDS = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v32", "gpt_oss",
-         "nemotron_h", "qwen2", "mistral", "mamba"]
+         "nemotron_h", "qwen2", "mistral", "mamba", "falcon_h1"]
 """MoE ones and dense ones; GPT-OSS (alternating) and Mistral (every layer) attend through
 sliding windows of `WINDOW` tokens, which a prompt and a few new tokens overflow; Mamba's
 layers keep linear-attention (conv and recurrent) states, and Nemotron-H has a Mamba, an
-MoE, an attention and an MLP layer; DeepSeek-V3.2's sparse attention keeps indexer keys
-and attends to the `SPARSE_TOPK` tokens they select."""
+MoE, an attention and an MLP layer; Falcon-H1's layers hold attention keys and Mamba
+states both; DeepSeek-V3.2's sparse attention keeps indexer keys and attends to the
+`SPARSE_TOPK` tokens they select."""
 SPARSE_TOPK = 4
 WINDOW = 4
 SLIDING = ("gpt_oss", "mistral")
@@ -53,6 +54,12 @@ def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
             topk_group=1, **dense,
         )
         model = transformers.NemotronHForCausalLM(config).eval()
+    elif kind == "falcon_h1":  # every layer holds attention keys and Mamba states
+        config = transformers.FalconH1Config(
+            mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+            mamba_chunk_size=8, head_dim=8, **dense,
+        )
+        model = transformers.FalconH1ForCausalLM(config).eval()
     elif kind == "deepseek_v32":
         config = transformers.DeepseekV32Config(
             n_routed_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=32,

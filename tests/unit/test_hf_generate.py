@@ -127,7 +127,7 @@ def _layer_state(layer: Any) -> dict[str, Any]:
     return state
 
 
-@pytest.mark.parametrize("kind", [*SLIDING, "mamba", "nemotron_h", "deepseek_v32"])
+@pytest.mark.parametrize("kind", [*SLIDING, "mamba", "nemotron_h", "falcon_h1", "deepseek_v32"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_every_kind_of_layer_holds_what_generate_without_dbo_leaves(
     kind: str, cache: str,
@@ -437,11 +437,12 @@ def test_a_cache_a_replay_cannot_advance_is_refused_in_capture_graph_before_the_
     assert int(cache.get_seq_length()) == 6
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h", "deepseek_v32", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["nemotron_h", "falcon_h1", "deepseek_v32", "gpt_oss"])
 def test_caches_the_ubatches_make_of_every_kind_of_layer_are_joined_by_rows(kind: str) -> None:
     """A forward called without a cache: each ubatch makes its own (Nemotron-H: Mamba
-    states, attention keys, layers holding nothing; DeepSeek-V3.2: indexer keys; GPT-OSS:
-    windows), joined into one of every row, as the whole batch's forward makes it."""
+    states, attention keys, layers holding nothing; Falcon-H1: both in one layer;
+    DeepSeek-V3.2: indexer keys; GPT-OSS: windows), joined into one of every row, as the
+    whole batch's forward makes it."""
     model = tiny_model(kind)
     ids, mask = prompts(4, WINDOW + 2, seed=5)
     with torch.no_grad():
