@@ -16,19 +16,18 @@ Each ubatch's cache holds one view per layer (`dbo._hf_layers`, `dbo._hf_growing
   `capture_graph`: its lengths live in Python, which a replay does not run.
 - Linear-attention (Mamba) layers, in either: views of the rows of their conv and
   recurrent states, written in place; layers holding keys and states both combine the
-  two ways. Layers that hold nothing are shared. Indexed
-  layers (sparse attention: DeepSeek-V3.2 and kin) keep their keys and values as a
-  full-attention layer of their cache kind does, and indexer keys beside them.
+  two ways. Layers that hold nothing are shared. Indexed layers (sparse attention:
+  DeepSeek-V3.2 and kin) keep their keys and values as a full-attention layer of their
+  cache kind does, and indexer keys beside them.
 
 The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
 states): such a cache is refused afterwards. Caches of other kinds, layers of other
 kinds (quantized, sliding windows beside linear states) and offloading are refused,
-named. Caches that the ubatches create themselves (a forward called without
-one, `use_cache=True`) are joined once along the batch. This module imports
-`transformers`: `dbo` imports it only once `transformers` is (a cache is met, or
-`dbo.hf` is used).
+named. Caches that the ubatches create themselves (a forward called without one,
+`use_cache=True`) are joined once along the batch. This module imports `transformers`:
+`dbo` imports it only once `transformers` is (a cache is met, or `dbo.hf` is used).
 """
 
 from __future__ import annotations
