@@ -1,6 +1,7 @@
 """The split rule for `transformers`' KV caches: each ubatch works on its own rows of the
 cache the caller holds, and that cache stays a true cache of every row after each call.
-Each ubatch's cache holds one view per layer (`dbo._hf_layers`, `dbo._hf_growing`):
+Each ubatch's cache holds one view per layer (`dbo._hf_growing`, `dbo._hf_layers`,
+`dbo._hf_states`):
 
 - `StaticCache` (preallocated `[B, H, max_len, D]` per layer): views of the ubatch's
   rows, so its writes land in place, at the caller's layer's length; when the call ends
@@ -53,12 +54,9 @@ from transformers.cache_utils import (
 
 from dbo import stateful
 from dbo._hf_growing import KEPT_IN_BUFFERS, Growing, GrowingRows, NewLayer, growing_state
+from dbo._hf_joins import joined
 from dbo._hf_layers import (
-    JOINS,
-    HybridRows,
     IndexedRows,
-    StateRows,
-    StaticHybridRows,
     StaticIndexedRows,
     StaticRows,
     StaticWindowRows,
@@ -66,6 +64,7 @@ from dbo._hf_layers import (
     join_indexers,
     join_windows,
 )
+from dbo._hf_states import HybridRows, StateRows, StaticHybridRows
 from dbo.api import at_ubatch_exit, run_state
 from dbo.graphs import capturing
 
@@ -135,7 +134,7 @@ def merge_caches(parts: list[Any]) -> Any:
     call = getattr(parts[0], "_dbo_call", None)
     if call is not None and all(getattr(part, "_dbo_call", None) is call for part in parts):
         return call.whole
-    return _joined(parts)
+    return joined(parts)
 
 
 class _Call:
@@ -259,27 +258,3 @@ def _child(cache: Any, call: _Call, layers: list[Any]) -> Any:
     child.layers = layers
     child._dbo_call = call
     return child
-
-
-def _joined(parts: list[Any]) -> Any:
-    """Dynamic caches the ubatches made themselves, one cache of every row (one copy)."""
-    if not all(type(part) is DynamicCache for part in parts) or len(
-        {len(part.layers) for part in parts}
-    ) != 1:
-        raise ValueError(
-            "the ubatches returned transformers caches that are not their parts of one cache "
-            f"passed in ({', '.join(type(part).__name__ for part in parts)}), and only "
-            "DynamicCaches of the same layers made inside the call can be joined; pass a cache "
-            "in, or use_cache=False"
-        )
-    joined = copy.copy(parts[0])
-    joined.layers = []
-    for layers in zip(*(part.layers for part in parts)):
-        kind = type(layers[0])
-        if kind not in JOINS or any(type(layer) is not kind for layer in layers):
-            raise ValueError(
-                "the ubatches returned DynamicCaches with layers dbo cannot join "
-                f"({', '.join(type(layer).__name__ for layer in layers)}); pass use_cache=False"
-            )
-        joined.layers.append(JOINS[kind](list(layers)))
-    return joined

@@ -1,36 +1,27 @@
-"""Each ubatch's layers of a `transformers` cache split by rows (`dbo._hf_cache`), one
-class per kind of layer it holds views of, and the joins of layers the ubatches made in
-caches of their own.
+"""Each ubatch's attention layers of a `transformers` cache split by rows
+(`dbo._hf_cache`), one class per kind of layer it holds views of; linear-attention states
+are `dbo._hf_states`', a DynamicCache's full-attention layers `dbo._hf_growing`'s.
 
 - `StaticRows`: rows of a `StaticLayer`, written in place at the caller's length.
 - `StaticWindowRows`: rows of a `StaticSlidingWindowLayer`, the layer's own update in place.
 - `WindowRows`: rows of a `DynamicSlidingWindowLayer`, the layer's own update on new
   tensors; the call's end joins the windows (`join_windows`).
-- `StateRows`: rows of a `LinearAttentionLayer`'s conv and recurrent states, in place.
-- `HybridRows`, `StaticHybridRows`: rows of a layer holding both attention keys and
-  linear-attention states (Falcon-H1, Zamba): the two classes above it combines.
 - `IndexedRows`, `StaticIndexedRows`: rows of the indexed layers of sparse attention
   (DeepSeek-V3.2 and kin): keys and values as a full-attention layer's, the indexer keys
   (`[B, S, D]`) the way of the layer's kind.
 
-A DynamicCache's full-attention layers are `dbo._hf_growing`'s. Each enters the call
-(`_Call.enter`) at its first write, which brings the caller's cache up to date when the
-last ubatch returns.
+Each enters the call (`_Call.enter`) at its first write, which brings the caller's cache
+up to date when the last ubatch returns.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 from transformers.cache_utils import (
-    DummyLayer,
     DynamicIndexedLayer,
-    DynamicLayer,
     DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionLayer,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
@@ -134,74 +125,26 @@ class WindowRows(DynamicSlidingWindowLayer):
 def join_windows(whole: Any, parts: list[WindowRows]) -> int:
     """The caller's sliding-window layer after a call: the ubatches' windows, joined if
     they wrote into it; the bytes written."""
-    if not any(part.updated for part in parts):
+    if not _all_wrote(parts, "updated", "a sliding window"):
         return 0
-    if not all(part.updated for part in parts):
-        raise RuntimeError(
-            "some ubatches did not write into a sliding-window cache layer the others wrote "
-            "into; each must run the same forward on its rows"
-        )
-    _fill(whole, parts)
-    for part in parts:
-        part.updated = False
+    fill_keys(whole, parts)
     return int(whole.keys.nbytes + whole.values.nbytes)
 
 
-def _joined_keys(parts: list[Any]) -> Any:
-    """One DynamicLayer or sliding-window layer of the rows of `parts`."""
-    kind = type(parts[0])
-    layer = kind(parts[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
-    if all(part.is_initialized for part in parts):
-        _fill(layer, parts)
-    return layer
-
-
-def _joined_states(parts: list[Any]) -> Any:
-    """One LinearAttentionLayer of the rows of `parts` (the same states of each); with
-    attention keys too (`LinearAttentionAndFullAttentionLayer`), those joined as well."""
-    layer = type(parts[0])(number_of_states=parts[0].number_of_states)
-    if isinstance(layer, DynamicLayer) and all(part.is_initialized for part in parts):
-        _fill(layer, parts)
-    for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
-                 "is_conv_states_initialized", "is_recurrent_states_initialized"):
-        values = [getattr(part, name) for part in parts]
-        if any(value != values[0] for value in values):
-            raise RuntimeError(
-                f"the ubatches' caches differ in {name} of a linear-attention layer ({values}); "
-                "each must run the same forward on its rows"
-            )
-        setattr(layer, name, copy.copy(values[0]))
-    for name in ("conv_states", "recurrent_states"):
-        getattr(layer, name).update({
-            index: None if states[0] is None else torch.cat(states)
-            for index, states in zip(getattr(parts[0], name), zip(
-                *(getattr(part, name).values() for part in parts)))
-        })
-    return layer
-
-
-def _joined_indexed(parts: list[Any]) -> Any:
-    """One DynamicIndexedLayer of the rows of `parts`: keys, values and indexer keys."""
-    if any(part.indexer_position_ids is not None for part in parts):
-        raise ValueError(
-            "dbo does not join the indexer positions this model keeps on its cache layers "
-            "(indexer_position_ids); pass use_cache=False"
+def _all_wrote(parts: list[Any], flag: str, what: str) -> bool:
+    """Whether the ubatches wrote `what` (their `flag`, which this clears): all or none."""
+    wrote = [getattr(part, flag) for part in parts]
+    if any(wrote) and not all(wrote):
+        raise RuntimeError(
+            f"some ubatches did not write {what} into a cache layer the others wrote it into; "
+            "each must run the same forward on its rows"
         )
-    layer = _joined_keys(parts)
-    if all(part.is_indexer_initialized for part in parts):
-        _fill_indexer(layer, parts)
-    return layer
+    for part in parts:
+        setattr(part, flag, False)
+    return all(wrote)
 
 
-JOINS: dict[Any, Any] = {
-    DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
-    LinearAttentionLayer: _joined_states, LinearAttentionAndFullAttentionLayer: _joined_states,
-    DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: _joined_indexed,
-}
-"""How to join each kind of layer the ubatches made in caches of their own."""
-
-
-def _fill(whole: Any, parts: list[Any]) -> None:
+def fill_keys(whole: Any, parts: list[Any]) -> None:
     """`whole` holds the rows of `parts` (DynamicLayers, or sliding windows of one length)."""
     if isinstance(whole, DynamicSlidingWindowLayer):
         lengths = {part.cumulative_length for part in parts}
@@ -271,106 +214,6 @@ class StaticWindowRows(StaticSlidingWindowLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-class StateRows(LinearAttentionLayer):
-    """Rows [start, stop) of a whole `LinearAttentionLayer`: views of the rows of its conv
-    and recurrent states (`[B, ...]` each), which the layer's updates and the model's own
-    kernels write in place, so the writes land in the caller's states. `transformers`'
-    Cache reads `has_previous_state` before it hands out a state, and the updates go
-    through this layer: either enters the call and, at each run's first, takes the views
-    afresh. Each call overwrites the states, which a failed call cannot undo: the cache
-    is marked until the call ends (and a marked cache is refused)."""
-
-    def __init__(
-        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
-    ) -> None:
-        self.call: Any | None = None  # not entered while the base class sets its fields
-        super().__init__(number_of_states=whole.number_of_states)
-        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
-        self.run: object = None
-        for states in (*whole.conv_states.values(), *whole.recurrent_states.values()):
-            if states is not None:
-                check_rows(type(call.whole).__name__, states.shape[0], batch_size)
-        self._take_rows()
-        self.call, self.ubatch = call, ubatch
-
-    @property  # reads come before every state the Cache hands out
-    def has_previous_state(self) -> dict[int, bool]:
-        """This ubatch's flags, entering the call."""
-        self._enter()
-        return self._flags
-
-    @has_previous_state.setter
-    def has_previous_state(self, flags: dict[int, bool]) -> None:
-        self._flags = flags
-
-    def update_conv_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._enter()
-        return super().update_conv_state(*args, **kwargs)
-
-    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._enter()
-        return super().update_recurrent_state(*args, **kwargs)
-
-    def lazy_initialization(
-        self, conv_states: torch.Tensor | None = None,
-        recurrent_states: torch.Tensor | None = None, state_idx: int = 0,
-        conv_kernel_size: int | None = None,
-    ) -> None:
-        """Initialize the state in the whole layer (all rows), then take this ubatch's
-        views; a state another ubatch initialized is only viewed."""
-        whole = self.whole
-
-        def all_rows(states: torch.Tensor | None, done: dict[int, bool]) -> Any:
-            if states is None or done[state_idx]:
-                return None
-            return states[:1].expand((self.whole_batch, *states.shape[1:])).contiguous()
-
-        given = dict(  # only those given: transformers' hybrid layers count them
-            conv_states=all_rows(conv_states, whole.is_conv_states_initialized),
-            recurrent_states=all_rows(recurrent_states, whole.is_recurrent_states_initialized),
-            conv_kernel_size=conv_kernel_size,
-        )
-        given = {name: value for name, value in given.items() if value is not None}
-        if "conv_states" in given or "recurrent_states" in given:
-            whole.lazy_initialization(state_idx=state_idx, **given)
-        flags = self._flags
-        self._take_rows()
-        self._flags = flags  # this ubatch's, as the call left them so far
-
-    def _enter(self) -> None:
-        if self.call is None:
-            return
-        self.call.enter(self.ubatch)
-        self.call.whole._dbo_overwritten = True  # until the call ends
-        if self.run is not run_state():
-            self.run = run_state()
-            self._take_rows()
-
-    def _take_rows(self) -> None:
-        whole = self.whole
-        self._flags = dict(whole.has_previous_state)
-        self.device, self.dtype = whole.device, whole.dtype
-        self.conv_kernel_size = dict(whole.conv_kernel_size)
-        self.is_conv_states_initialized = dict(whole.is_conv_states_initialized)
-        self.is_recurrent_states_initialized = dict(whole.is_recurrent_states_initialized)
-        self.conv_states = {index: None if states is None else states[self.rows]
-                            for index, states in whole.conv_states.items()}
-        self.recurrent_states = {index: None if states is None else states[self.rows]
-                                 for index, states in whole.recurrent_states.items()}
-
-    @staticmethod
-    def finish(whole: Any, parts: list[StateRows]) -> None:
-        """The caller's flags after a call: the ubatches' (the states are written in place)."""
-        flags = [part._flags for part in parts if part.run is run_state()]
-        if any(flag != flags[0] for flag in flags):
-            raise RuntimeError(
-                "the ubatches left different linear-attention states in one cache layer "
-                f"({flags}); each must run the same forward on its rows"
-            )
-        if flags:
-            whole.has_previous_state = dict(flags[0])
-
-
 class IndexedRows(GrowingRows, DynamicIndexedLayer):
     """Rows [start, stop) of a whole `DynamicIndexedLayer`: keys and values in the shared
     buffers (`GrowingRows`); the indexer keys by the layer's own update (a `torch.cat`)
@@ -412,20 +255,13 @@ def join_indexers(whole: Any, parts: list[IndexedRows]) -> int:
             "dbo does not split the indexer positions this model keeps on its cache layers "
             "(indexer_position_ids); pass use_cache=False"
         )
-    if not any(part.updated_indexer for part in parts):
+    if not _all_wrote(parts, "updated_indexer", "indexer keys"):
         return 0
-    if not all(part.updated_indexer for part in parts):
-        raise RuntimeError(
-            "some ubatches did not write indexer keys into a cache layer the others wrote "
-            "into; each must run the same forward on its rows"
-        )
-    _fill_indexer(whole, parts)
-    for part in parts:
-        part.updated_indexer = False
+    fill_indexer(whole, parts)
     return int(whole.indexer_keys.nbytes)
 
 
-def _fill_indexer(whole: Any, parts: list[Any]) -> None:
+def fill_indexer(whole: Any, parts: list[Any]) -> None:
     keys: list[Any] = [part.indexer_keys for part in parts]
     if not whole.is_indexer_initialized:
         whole.lazy_initialization_indexer(keys[0])
@@ -473,38 +309,3 @@ class StaticIndexedRows(StaticRows):
             whole.indexer_cumulative_length.add_(count)
         for part in parts:
             part.indexer_written = None
-
-
-class HybridRows(StateRows, GrowingRows):  # type: ignore[misc,override]  # transformers' own hybrids mix them too
-    """Rows [start, stop) of a whole `LinearAttentionAndFullAttentionLayer`: its keys and
-    values as `GrowingRows`, its states as `StateRows`."""
-
-    def __init__(
-        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
-        batch_size: int,
-    ) -> None:
-        GrowingRows.__init__(self, shared, call, ubatch, start, stop)
-        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
-
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The states' (keyword arguments); the keys are the shared buffers'."""
-        StateRows.lazy_initialization(self, **kwargs)
-
-
-class StaticHybridRows(StateRows, StaticRows):  # type: ignore[misc,override]  # transformers' own hybrids mix them too
-    """Rows [start, stop) of a whole `LinearAttentionAndStaticFullAttentionLayer`: its
-    keys and values as `StaticRows`, its states as `StateRows`."""
-
-    def __init__(
-        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
-    ) -> None:
-        StaticRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
-        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
-
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The keys' (two positional arguments, as `transformers`' hybrid layers tell them
-        apart) or the states' (keyword arguments)."""
-        if args:
-            StaticRows.lazy_initialization(self, *args)
-        else:
-            StateRows.lazy_initialization(self, **kwargs)

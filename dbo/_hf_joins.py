@@ -1,0 +1,98 @@
+"""Caches the ubatches made themselves (a forward called without one, `use_cache=True`),
+joined into one cache of every row: one copy of each layer, by its kind."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicIndexedLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
+
+from dbo._hf_layers import fill_indexer, fill_keys
+
+
+def joined(parts: list[Any]) -> Any:
+    """Dynamic caches the ubatches made themselves, one cache of every row (one copy)."""
+    if not all(type(part) is DynamicCache for part in parts) or len(
+        {len(part.layers) for part in parts}
+    ) != 1:
+        raise ValueError(
+            "the ubatches returned transformers caches that are not their parts of one cache "
+            f"passed in ({', '.join(type(part).__name__ for part in parts)}), and only "
+            "DynamicCaches of the same layers made inside the call can be joined; pass a cache "
+            "in, or use_cache=False"
+        )
+    cache = copy.copy(parts[0])
+    cache.layers = []
+    for layers in zip(*(part.layers for part in parts)):
+        kind = type(layers[0])
+        if kind not in _JOINS or any(type(layer) is not kind for layer in layers):
+            raise ValueError(
+                "the ubatches returned DynamicCaches with layers dbo cannot join "
+                f"({', '.join(type(layer).__name__ for layer in layers)}); pass use_cache=False"
+            )
+        cache.layers.append(_JOINS[kind](list(layers)))
+    return cache
+
+
+def _joined_keys(parts: list[Any]) -> Any:
+    """One DynamicLayer or sliding-window layer of the rows of `parts`."""
+    kind = type(parts[0])
+    layer = kind(parts[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
+    if all(part.is_initialized for part in parts):
+        fill_keys(layer, parts)
+    return layer
+
+
+def _joined_states(parts: list[Any]) -> Any:
+    """One LinearAttentionLayer of the rows of `parts` (the same states of each); with
+    attention keys too (`LinearAttentionAndFullAttentionLayer`), those joined as well."""
+    layer = type(parts[0])(number_of_states=parts[0].number_of_states)
+    if isinstance(layer, DynamicLayer) and all(part.is_initialized for part in parts):
+        fill_keys(layer, parts)
+    for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
+                 "is_conv_states_initialized", "is_recurrent_states_initialized"):
+        values = [getattr(part, name) for part in parts]
+        if any(value != values[0] for value in values):
+            raise RuntimeError(
+                f"the ubatches' caches differ in {name} of a linear-attention layer ({values}); "
+                "each must run the same forward on its rows"
+            )
+        setattr(layer, name, copy.copy(values[0]))
+    for name in ("conv_states", "recurrent_states"):
+        getattr(layer, name).update({
+            index: None if states[0] is None else torch.cat(states)
+            for index, states in zip(getattr(parts[0], name), zip(
+                *(getattr(part, name).values() for part in parts)))
+        })
+    return layer
+
+
+def _joined_indexed(parts: list[Any]) -> Any:
+    """One DynamicIndexedLayer of the rows of `parts`: keys, values and indexer keys."""
+    if any(part.indexer_position_ids is not None for part in parts):
+        raise ValueError(
+            "dbo does not join the indexer positions this model keeps on its cache layers "
+            "(indexer_position_ids); pass use_cache=False"
+        )
+    layer = _joined_keys(parts)
+    if all(part.is_indexer_initialized for part in parts):
+        fill_indexer(layer, parts)
+    return layer
+
+
+_JOINS: dict[Any, Any] = {
+    DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
+    LinearAttentionLayer: _joined_states, LinearAttentionAndFullAttentionLayer: _joined_states,
+    DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: _joined_indexed,
+}
+"""How to join each kind of layer the ubatches made in caches of their own."""

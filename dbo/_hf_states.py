@@ -1,0 +1,155 @@
+"""Each ubatch's linear-attention (Mamba) layers of a `transformers` cache split by rows
+(`dbo._hf_cache`): views of the rows of their conv and recurrent states, written in place.
+
+- `StateRows`: rows of a `LinearAttentionLayer`'s states.
+- `HybridRows`, `StaticHybridRows`: rows of a layer holding both attention keys and
+  states (Falcon-H1, Zaya): `StateRows` with the full-attention layer's way of its cache
+  kind (`GrowingRows`, `StaticRows`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from dbo._hf_growing import GrowingRows, check_rows
+from dbo._hf_layers import StaticRows
+from dbo.api import run_state
+
+
+class StateRows(LinearAttentionLayer):
+    """Rows [start, stop) of a whole `LinearAttentionLayer`: views of the rows of its conv
+    and recurrent states (`[B, ...]` each), which the layer's updates and the model's own
+    kernels write in place, so the writes land in the caller's states. `transformers`'
+    Cache reads `has_previous_state` before it hands out a state, and the updates go
+    through this layer: either enters the call and, at each run's first, takes the views
+    afresh. Each call overwrites the states, which a failed call cannot undo: the cache
+    is marked until the call ends (and a marked cache is refused)."""
+
+    def __init__(
+        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
+        self.call: Any | None = None  # not entered while the base class sets its fields
+        super().__init__(number_of_states=whole.number_of_states)
+        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
+        self.run: object = None
+        for states in (*whole.conv_states.values(), *whole.recurrent_states.values()):
+            if states is not None:
+                check_rows(type(call.whole).__name__, states.shape[0], batch_size)
+        self._take_rows()
+        self.call, self.ubatch = call, ubatch
+
+    @property  # reads come before every state the Cache hands out
+    def has_previous_state(self) -> dict[int, bool]:
+        """This ubatch's flags, entering the call."""
+        self._enter()
+        return self._flags
+
+    @has_previous_state.setter
+    def has_previous_state(self, flags: dict[int, bool]) -> None:
+        self._flags = flags
+
+    def update_conv_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._enter()
+        return super().update_conv_state(*args, **kwargs)
+
+    def update_recurrent_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._enter()
+        return super().update_recurrent_state(*args, **kwargs)
+
+    def lazy_initialization(
+        self, conv_states: torch.Tensor | None = None,
+        recurrent_states: torch.Tensor | None = None, state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+    ) -> None:
+        """Initialize the state in the whole layer (all rows), then take this ubatch's
+        views; a state another ubatch initialized is only viewed."""
+        whole = self.whole
+
+        def all_rows(states: torch.Tensor | None, done: dict[int, bool]) -> Any:
+            if states is None or done[state_idx]:
+                return None
+            return states[:1].expand((self.whole_batch, *states.shape[1:])).contiguous()
+
+        given = dict(  # only those given: transformers' hybrid layers count them
+            conv_states=all_rows(conv_states, whole.is_conv_states_initialized),
+            recurrent_states=all_rows(recurrent_states, whole.is_recurrent_states_initialized),
+            conv_kernel_size=conv_kernel_size,
+        )
+        given = {name: value for name, value in given.items() if value is not None}
+        if "conv_states" in given or "recurrent_states" in given:
+            whole.lazy_initialization(state_idx=state_idx, **given)
+        flags = self._flags
+        self._take_rows()
+        self._flags = flags  # this ubatch's, as the call left them so far
+
+    def _enter(self) -> None:
+        if self.call is None:
+            return
+        self.call.enter(self.ubatch)
+        self.call.whole._dbo_overwritten = True  # until the call ends
+        if self.run is not run_state():
+            self.run = run_state()
+            self._take_rows()
+
+    def _take_rows(self) -> None:
+        whole = self.whole
+        self._flags = dict(whole.has_previous_state)
+        self.device, self.dtype = whole.device, whole.dtype
+        self.conv_kernel_size = dict(whole.conv_kernel_size)
+        self.is_conv_states_initialized = dict(whole.is_conv_states_initialized)
+        self.is_recurrent_states_initialized = dict(whole.is_recurrent_states_initialized)
+        self.conv_states = {index: None if states is None else states[self.rows]
+                            for index, states in whole.conv_states.items()}
+        self.recurrent_states = {index: None if states is None else states[self.rows]
+                                 for index, states in whole.recurrent_states.items()}
+
+    @staticmethod
+    def finish(whole: Any, parts: list[StateRows]) -> None:
+        """The caller's flags after a call: the ubatches' (the states are written in place)."""
+        flags = [part._flags for part in parts if part.run is run_state()]
+        if any(flag != flags[0] for flag in flags):
+            raise RuntimeError(
+                "the ubatches left different linear-attention states in one cache layer "
+                f"({flags}); each must run the same forward on its rows"
+            )
+        if flags:
+            whole.has_previous_state = dict(flags[0])
+
+
+class HybridRows(StateRows, GrowingRows):  # type: ignore[misc,override]
+    """Rows [start, stop) of a whole `LinearAttentionAndFullAttentionLayer`: its keys and
+    values as `GrowingRows`, its states as `StateRows`. (The bases' attributes clash for
+    type checkers as `transformers`' own hybrid layers' do.)"""
+
+    def __init__(
+        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
+    ) -> None:
+        GrowingRows.__init__(self, shared, call, ubatch, start, stop)
+        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The states' (keyword arguments); the keys are the shared buffers'."""
+        StateRows.lazy_initialization(self, **kwargs)
+
+
+class StaticHybridRows(StateRows, StaticRows):  # type: ignore[misc,override]
+    """Rows [start, stop) of a whole `LinearAttentionAndStaticFullAttentionLayer`: its
+    keys and values as `StaticRows`, its states as `StateRows`."""
+
+    def __init__(
+        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
+    ) -> None:
+        StaticRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The keys' (two positional arguments, as `transformers`' hybrid layers tell them
+        apart) or the states' (keyword arguments)."""
+        if args:
+            StaticRows.lazy_initialization(self, *args)
+        else:
+            StateRows.lazy_initialization(self, **kwargs)
