@@ -65,7 +65,7 @@ from dbo._hf_layers import (
     join_windows,
 )
 from dbo._hf_states import HybridRows, StateRows, StaticHybridRows
-from dbo.api import at_ubatch_exit, run_state
+from dbo.api import at_ubatch_exit, run_state, wait_for_every_ubatch
 from dbo.graphs import capturing
 
 _WITH_STATES = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
@@ -175,6 +175,10 @@ class _Call:
             self._finish()
 
     def _finish(self) -> None:
+        wait_for_every_ubatch()  # their writes are queued on their own streams
+        self._bring_up_to_date()
+
+    def _bring_up_to_date(self) -> None:
         for index, layer in enumerate(self.whole.layers):
             if type(layer) in _WITH_STATES:
                 StateRows.finish(layer, [child.layers[index] for child in self.children])

@@ -19,6 +19,8 @@ from transformers.cache_utils import (
     LinearAttentionAndFullAttentionLayer,
 )
 
+from dbo.api import wait_for_every_ubatch
+
 KEPT_IN_BUFFERS = (DynamicLayer, DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer)
 """The layers whose keys and values are kept here (the others' are not)."""
 
@@ -104,6 +106,8 @@ class _SharedLayer:
         capacity = needed + max(needed // 2, 64)
         old = (self.keys, self.values)
         filled = max(self.lengths, default=self.length) if old[0] is not None else 0
+        if filled:
+            wait_for_every_ubatch()  # the copy reads rows other ubatches write
         new = []
         for source, buffer in zip((keys, values), old):
             shape = (self.batch_size, source.shape[1], capacity, source.shape[-1])

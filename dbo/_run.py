@@ -135,6 +135,18 @@ class OverlapRun:
         finally:
             self.backend.set_current_stream(previous_stream)
 
+    def wait_for_every_ubatch(self, ubatch_id: int) -> None:
+        """Order `ubatch_id`'s current stream after all that every ubatch has queued so far
+        (an event recorded now on each of their streams). For work that touches what other
+        ubatches wrote: the KV-cache rule brings the caller's cache up to date in the last
+        ubatch's exit callback, and grows buffers that hold every ubatch's rows."""
+        backend = self.backend
+        current = backend.current_stream()
+        for streams in self.streams:
+            for stream in (streams.compute, streams.comm):
+                if stream is not current:
+                    backend.wait_event(current, backend.record_event(stream))
+
     def add_exit_callback(
         self, ubatch_id: int, callback: Callable[[], Any],
         on_failure: Callable[[], Any] | None = None,

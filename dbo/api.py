@@ -164,6 +164,15 @@ def at_ubatch_exit(
     return True
 
 
+def wait_for_every_ubatch() -> None:
+    """Order this ubatch's current stream after all that every ubatch of the overlap has
+    queued so far; nothing outside one. For library code that reads or writes what other
+    ubatches wrote (`dbo`'s KV-cache rule: a shared buffer, the caller's cache at the end)."""
+    run, ubatch_id = _run_and_id()
+    if run is not None:
+        run.wait_for_every_ubatch(ubatch_id)
+
+
 def register_recv_hook(hook: Callable[[], Any]) -> None:
     """Hand `hook` to the next ubatch in the ring, to run at its `maybe_run_recv_hook()`.
 

@@ -147,6 +147,75 @@ def test_a_recv_hook_registered_on_a_side_stream_runs_after_it(
     assert ("wait", "comm0", "compute0") not in hook_waits
 
 
+# ------------------------------------------------------------------------- KV caches
+
+
+def test_the_caller_kv_cache_is_brought_up_to_date_after_every_ubatchs_streams(
+    log: list[tuple[str, ...]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last ubatch to return advances the caller's StaticCache (a device op) in its
+    exit callback: its stream first waits for every ubatch's streams, so that no write a
+    ubatch left queued races with it."""
+    transformers = pytest.importorskip("transformers")
+    from dbo import _hf_cache
+
+    bring_up_to_date = _hf_cache._Call._bring_up_to_date
+
+    def logged(call: Any) -> None:
+        log.append(("finish", _backend().current_stream().name))
+        bring_up_to_date(call)
+
+    monkeypatch.setattr(_hf_cache._Call, "_bring_up_to_date", logged)
+    config = transformers.Qwen2Config(num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, hidden_size=16)
+    cache = transformers.StaticCache(config=config, max_cache_len=8)
+
+    def write(keys: torch.Tensor, cache: Any) -> torch.Tensor:
+        cache.update(keys, keys, 0)
+        return keys
+
+    dbo.overlap(write)(torch.ones(4, 2, 3, 8), cache)
+    assert int(cache.get_seq_length()) == 3
+    (finish,) = [entry for entry in log if entry[0] == "finish"]
+    last = finish[1]
+    waited_for = {entry[2] for entry in log[: log.index(finish)]
+                  if entry[0] == "wait" and entry[1] == last}
+    assert {"compute0", "comm0", "compute1", "comm1"} - {last} <= waited_for, log
+
+
+def test_a_shared_cache_buffer_grows_after_every_ubatchs_streams(
+    log: list[tuple[str, ...]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DynamicCache's buffer holds every ubatch's rows: growing it copies them, so the
+    growing ubatch's stream first waits for every ubatch's streams."""
+    transformers = pytest.importorskip("transformers")
+    from dbo import _hf_growing
+
+    allocate = _hf_growing._SharedLayer._allocate
+
+    def logged(shared: Any, *args: Any) -> None:
+        inside = current_context() is not None  # not the first update, before the overlap
+        log.append(("grow", _backend().current_stream().name if inside else "caller"))
+        allocate(shared, *args)
+        log.append(("grown",))
+
+    monkeypatch.setattr(_hf_growing._SharedLayer, "_allocate", logged)
+    cache = transformers.DynamicCache()
+    cache.update(torch.ones(4, 2, 3, 8), torch.ones(4, 2, 3, 8), 0)  # 3 tokens, room for 67
+
+    def write(keys: torch.Tensor, cache: Any) -> torch.Tensor:
+        cache.update(keys, keys, 0)
+        return keys
+
+    dbo.overlap(write)(torch.ones(4, 2, 80, 8), cache)
+    assert cache.get_seq_length() == 83
+    grow = next(entry for entry in log if entry[0] == "grow" and entry[1] == "compute0")
+    start = log.index(grow)
+    inside = log[start : log.index(("grown",), start)]
+    waited_for = {entry[2] for entry in inside if entry[0] == "wait" and entry[1] == "compute0"}
+    assert {"comm0", "compute1", "comm1"} <= waited_for, log
+
+
 # ------------------------------------------------------------ streams across runners
 
 
