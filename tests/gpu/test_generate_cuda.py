@@ -1,0 +1,32 @@
+"""`generate` under `dbo.hf.overlap_generation` on CUDA, where each ubatch queues its cache
+writes on its own streams: token-identical for every kind of cache layer dbo splits
+(sliding windows, Mamba states beside attention, sparse-attention indexer keys), with
+both cache kinds. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_generation_checks import both, prompts, tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["gpt_oss", "nemotron_h", "deepseek_v32"])
+def test_generation_on_cuda_is_token_identical_for_every_kind_of_cache_layer(kind: str) -> None:
+    model = tiny_model(kind).to("cuda")
+    ids, mask = (tensor.to("cuda") for tensor in prompts(6, 7, seed=2))
+    overlap = dict(min_prefill_tokens=0, min_decode_tokens=0, timeout_s=60)
+    for cache in ("dynamic", "static"):
+        expected, got = both(model, ids, mask, overlap, max_new_tokens=12, do_sample=False,
+                             cache_implementation=cache)
+        assert got.device.type == "cuda"
+        assert torch.equal(got, expected), (kind, cache)
