@@ -25,10 +25,10 @@ The caller's cache is brought up to date as the last ubatch returns (`_Call`), w
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
 states): such a cache is refused afterwards. Caches of other kinds, layers of other
-kinds (quantized, sliding windows beside linear states) and offloading are refused,
-named. Caches that the ubatches create themselves (a forward called without one,
-`use_cache=True`) are joined once along the batch. This module imports `transformers`:
-`dbo` imports it only once `transformers` is (a cache is met, or `dbo.hf` is used).
+kinds (quantized, a model's own) and offloading are refused, named. Caches that the
+ubatches create themselves (a forward called without one, `use_cache=True`) are joined
+once along the batch. This module imports `transformers`: `dbo` imports it only once
+`transformers` is (a cache is met, or `dbo.hf` is used).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from transformers.cache_utils import (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
     LinearAttentionLayer,
     StaticCache,
     StaticIndexedLayer,
@@ -53,24 +55,37 @@ from transformers.cache_utils import (
 )
 
 from dbo import stateful
-from dbo._hf_growing import KEPT_IN_BUFFERS, Growing, GrowingRows, NewLayer, growing_state
+from dbo._hf_growing import Growing, GrowingRows, NewLayer, growing_state
 from dbo._hf_joins import joined
-from dbo._hf_layers import (
-    IndexedRows,
-    StaticIndexedRows,
-    StaticRows,
-    StaticWindowRows,
-    WindowRows,
-    join_indexers,
-    join_windows,
+from dbo._hf_layers import IndexedRows, StaticIndexedRows, StaticRows, StaticWindowRows, WindowRows
+from dbo._hf_states import (
+    HybridRows,
+    SlidingHybridRows,
+    StateRows,
+    StaticHybridRows,
+    StaticSlidingHybridRows,
 )
-from dbo._hf_states import HybridRows, StateRows, StaticHybridRows
 from dbo.api import at_ubatch_exit, run_state, wait_for_every_ubatch
 from dbo.graphs import capturing
 
-_WITH_STATES = (LinearAttentionLayer, LinearAttentionAndFullAttentionLayer,
-                LinearAttentionAndStaticFullAttentionLayer)
-"""The layers holding linear-attention states (`StateRows`), alone or beside keys."""
+ROWS: dict[Any, dict[Any, Any]] = {
+    DynamicCache: {
+        DynamicLayer: GrowingRows, DynamicSlidingWindowLayer: WindowRows,
+        DynamicIndexedLayer: IndexedRows, LinearAttentionLayer: StateRows,
+        LinearAttentionAndFullAttentionLayer: HybridRows,
+        LinearAttentionAndSlidingWindowAttentionLayer: SlidingHybridRows,
+    },
+    StaticCache: {
+        StaticLayer: StaticRows, StaticSlidingWindowLayer: StaticWindowRows,
+        StaticIndexedLayer: StaticIndexedRows, LinearAttentionLayer: StateRows,
+        LinearAttentionAndStaticFullAttentionLayer: StaticHybridRows,
+        LinearAttentionAndStaticSlidingWindowAttentionLayer: StaticSlidingHybridRows,
+    },
+}
+"""For each cache class, the class of a ubatch's rows of each kind of layer it splits
+(a `DummyLayer`, which holds nothing, is shared). Each takes (the caller's layer, its
+shared buffers or None, the call, the ubatch, its first and last row, the batch size)
+and has `end_call(caller's layer, the ubatches' layers)`, run when the call ends."""
 
 _REGISTERED = False
 
@@ -90,38 +105,16 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     starts = [sum(rows[:i]) for i in range(len(rows))]
     bounds = [(start, start + count) for start, count in zip(starts, rows)]
     call = _Call(cache, len(rows))
-    if isinstance(cache, StaticCache):
-        kinds: dict[Any, Any] = {
-            StaticSlidingWindowLayer: StaticWindowRows, LinearAttentionLayer: StateRows,
-            StaticIndexedLayer: StaticIndexedRows,
-            LinearAttentionAndStaticFullAttentionLayer: StaticHybridRows,
-        }
-        call.children = [
-            _child(cache, call, [
-                layer if type(layer) is DummyLayer  # holds nothing: shared
-                else kinds.get(type(layer), StaticRows)(
-                    layer, call, ubatch, start, stop, batch_size)
-                for layer in cache.layers
-            ])
-            for ubatch, (start, stop) in enumerate(bounds)
-        ]
-        return call.children
-    call.growing = growing = growing_state(cache, batch_size, len(rows))
+    kinds = ROWS[type(cache)]
+    if isinstance(cache, DynamicCache):
+        call.growing = growing_state(cache, batch_size, len(rows))
+    shared = call.growing.layers if call.growing is not None else [None] * len(cache.layers)
     for ubatch, (start, stop) in enumerate(bounds):
-        child = _child(cache, call, [])
-        child.layers = [
-            WindowRows(layer, shared, call, ubatch, start, stop, batch_size)
-            if type(layer) is DynamicSlidingWindowLayer
-            else StateRows(layer, call, ubatch, start, stop, batch_size)
-            if type(layer) is LinearAttentionLayer
-            else layer if type(layer) is DummyLayer  # holds nothing: shared
-            else IndexedRows(layer, shared, call, ubatch, start, stop)
-            if type(layer) is DynamicIndexedLayer
-            else HybridRows(layer, shared, call, ubatch, start, stop, batch_size)
-            if type(layer) is LinearAttentionAndFullAttentionLayer
-            else GrowingRows(shared, call, ubatch, start, stop)
-            for layer, shared in zip(cache.layers, growing.layers)
-        ]
+        child = _child(cache, call, [
+            layer if type(layer) is DummyLayer  # holds nothing: shared
+            else kinds[type(layer)](layer, buffers, call, ubatch, start, stop, batch_size)
+            for layer, buffers in zip(cache.layers, shared)
+        ])
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
             child.layer_class_to_replicate = NewLayer(call, child, ubatch, start, stop)
         call.children.append(child)
@@ -179,62 +172,28 @@ class _Call:
         self._bring_up_to_date()
 
     def _bring_up_to_date(self) -> None:
-        for index, layer in enumerate(self.whole.layers):
-            if type(layer) in _WITH_STATES:
-                StateRows.finish(layer, [child.layers[index] for child in self.children])
-        self.whole._dbo_overwritten = False  # the call ended: windows and states are right
+        whole = self.whole
         if self.growing is not None:
-            while len(self.whole.layers) < len(self.growing.layers):
-                self.whole.layers.append(self.whole.layer_class_to_replicate())
-            for index, (layer, shared) in enumerate(zip(self.whole.layers, self.growing.layers)):
-                if type(layer) is DynamicSlidingWindowLayer:
-                    parts = [child.layers[index] for child in self.children]
-                    shared.bytes_written += join_windows(layer, parts)
-                elif type(layer) in KEPT_IN_BUFFERS:
-                    shared.finish(layer)
-                if type(layer) is DynamicIndexedLayer:
-                    parts = [child.layers[index] for child in self.children]
-                    shared.bytes_written += join_indexers(layer, parts)
-            return
-        for index, layer in enumerate(self.whole.layers):
-            if type(layer) is StaticIndexedLayer:
-                StaticIndexedRows.finish(layer, [child.layers[index] for child in self.children])
-            if type(layer) not in (StaticLayer, StaticSlidingWindowLayer, StaticIndexedLayer,
-                                   LinearAttentionAndStaticFullAttentionLayer):
-                continue
-            written = {child.layers[index].written for child in self.children}
-            if len(written) != 1:
-                raise RuntimeError(
-                    f"the ubatches wrote different numbers of tokens into layer {index} of "
-                    f"one StaticCache ({sorted(written, key=str)}); each must run the same "
-                    "forward on its rows"
-                )
-            (count,) = written
-            if count and type(layer) is StaticSlidingWindowLayer:
-                layer.cumulative_length_int += count
-                layer.cumulative_length.copy_(self.children[0].layers[index].cumulative_length)
-            elif count:
-                layer.cumulative_length.add_(count)
-            for child in self.children:
-                child.layers[index].written = None  # for the parts' next run (capture_graph)
+            while len(whole.layers) < len(self.growing.layers):
+                whole.layers.append(whole.layer_class_to_replicate())
+        for index, layer in enumerate(whole.layers):
+            parts = [child.layers[index] for child in self.children]
+            end_call = getattr(type(parts[0]), "end_call", None)  # none: a DummyLayer
+            if end_call is not None:
+                end_call(layer, parts)
+        whole._dbo_overwritten = False  # the call ended: windows and states are right
 
 
 def _check_supported(cache: Any) -> None:
-    supported = {
-        DynamicCache: (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer,
-                       DummyLayer, DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer),
-        StaticCache: (StaticLayer, StaticSlidingWindowLayer, LinearAttentionLayer, DummyLayer,
-                      StaticIndexedLayer, LinearAttentionAndStaticFullAttentionLayer),
-    }
-    layer_kinds = supported.get(type(cache), ())
+    layer_kinds = (*ROWS.get(type(cache), ()), DummyLayer)
     odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
     odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
-            if type(layer) in _WITH_STATES and layer.record_past]
+            if isinstance(layer, LinearAttentionLayer) and layer.record_past]
     odd += [f"{type(layer).__name__} (with indexer positions)" for layer in cache.layers
             if getattr(layer, "indexer_position_ids", None) is not None]
     lazy = cache.layer_class_to_replicate
-    if not layer_kinds or odd or getattr(cache, "offloading", False) or (
-        lazy is not None and lazy is not layer_kinds[0]
+    if type(cache) not in ROWS or odd or getattr(cache, "offloading", False) or (
+        lazy not in (None, DynamicLayer)
     ):
         what = f"a {type(cache).__name__}"
         if odd:

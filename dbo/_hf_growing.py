@@ -181,7 +181,8 @@ class GrowingRows(DynamicLayer):
     writes the new tokens into the shared buffer and returns views of its rows."""
 
     def __init__(
-        self, shared: _SharedLayer, call: Any, ubatch: int, start: int, stop: int
+        self, whole: Any, shared: _SharedLayer, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
     ) -> None:
         super().__init__()
         self.shared, self.call = shared, call
@@ -200,6 +201,11 @@ class GrowingRows(DynamicLayer):
         self.device, self.is_initialized = key_states.device, True
         return self.keys, self.values
 
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        """After a call: the caller's layer holds views of the filled part."""
+        parts[0].shared.finish(whole)
+
 
 class NewLayer:
     """A ubatch cache's `layer_class_to_replicate`: its next layer, on the shared buffers."""
@@ -211,4 +217,4 @@ class NewLayer:
     def __call__(self) -> GrowingRows:
         assert self.call.growing is not None, "a DynamicCache's call"
         shared = self.call.growing.layer(len(self.child.layers))
-        return GrowingRows(shared, self.call, self.ubatch, self.start, self.stop)
+        return GrowingRows(None, shared, self.call, self.ubatch, self.start, self.stop, 0)

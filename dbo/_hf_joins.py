@@ -14,6 +14,7 @@ from transformers.cache_utils import (
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
     LinearAttentionLayer,
 )
 
@@ -55,8 +56,11 @@ def _joined_keys(parts: list[Any]) -> Any:
 
 def _joined_states(parts: list[Any]) -> Any:
     """One LinearAttentionLayer of the rows of `parts` (the same states of each); with
-    attention keys too (`LinearAttentionAndFullAttentionLayer`), those joined as well."""
-    layer = type(parts[0])(number_of_states=parts[0].number_of_states)
+    attention keys or a window too (the hybrid layers), those joined as well."""
+    options = dict(number_of_states=parts[0].number_of_states)
+    if isinstance(parts[0], DynamicSlidingWindowLayer):
+        options["sliding_window"] = parts[0].sliding_window
+    layer = type(parts[0])(**options)
     if isinstance(layer, DynamicLayer) and all(part.is_initialized for part in parts):
         fill_keys(layer, parts)
     for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
@@ -93,6 +97,7 @@ def _joined_indexed(parts: list[Any]) -> Any:
 _JOINS: dict[Any, Any] = {
     DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
     LinearAttentionLayer: _joined_states, LinearAttentionAndFullAttentionLayer: _joined_states,
+    LinearAttentionAndSlidingWindowAttentionLayer: _joined_states,
     DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: _joined_indexed,
 }
 """How to join each kind of layer the ubatches made in caches of their own."""

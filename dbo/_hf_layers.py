@@ -37,7 +37,8 @@ class StaticRows(StaticLayer):
     change; the call's end adds the tokens written once (in place: a graph replays it)."""
 
     def __init__(
-        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
+        self, whole: Any, shared: None, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
     ) -> None:
         self.__dict__.update(whole.__dict__)  # max_cache_len and, once initialized, the rest
         self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
@@ -81,6 +82,28 @@ class StaticRows(StaticLayer):
         self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
         self.is_initialized = True
 
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        """After a call: the caller's length advanced once by the tokens each wrote."""
+        count = _tokens_written(parts)
+        if count:
+            whole.cumulative_length.add_(count)
+
+
+def _tokens_written(parts: list[Any]) -> int | None:
+    """The tokens each ubatch wrote into one StaticCache layer in this run (the same for
+    all, or RuntimeError), forgotten for the parts' next run (`capture_graph`)."""
+    written = {part.written for part in parts}
+    if len(written) != 1:
+        raise RuntimeError(
+            f"the ubatches wrote different numbers of tokens into one StaticCache layer "
+            f"({sorted(written, key=str)}); each must run the same forward on its rows"
+        )
+    for part in parts:
+        part.written = None
+    (count,) = written
+    return count
+
 
 class WindowRows(DynamicSlidingWindowLayer):
     """Rows [start, stop) of a whole `DynamicSlidingWindowLayer`, as one ubatch's layer:
@@ -97,7 +120,7 @@ class WindowRows(DynamicSlidingWindowLayer):
         self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
         self.call, self.ubatch = call, ubatch
         self.run: object = None
-        self._take_rows()
+        self._take_window()
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -107,19 +130,27 @@ class WindowRows(DynamicSlidingWindowLayer):
         self.call.enter(self.ubatch)
         if self.run is not run_state():
             self.run = run_state()
-            self._take_rows()
+            self._take_window()
         self.updated = True
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         self.shared.bytes_written += keys.nbytes + values.nbytes  # the layer's own torch.cat
         return keys, values
 
-    def _take_rows(self) -> None:
+    def _take_window(self) -> None:
         whole = self.whole
-        self.__dict__.update(whole.__dict__)
+        for name in ("keys", "values", "is_initialized", "device", "cumulative_length",
+                     "record_past", "_sliding_window_tensor"):
+            if name in whole.__dict__:  # the device once initialized
+                setattr(self, name, getattr(whole, name))
         self.updated = False
         if whole.is_initialized and whole.keys.ndim == 4:
             check_rows("DynamicCache", whole.keys.shape[0], self.whole_batch)
             self.keys, self.values = whole.keys[self.rows], whole.values[self.rows]
+
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        """After a call: the ubatches' windows joined into the caller's layer."""
+        parts[0].shared.bytes_written += join_windows(whole, parts)
 
 
 def join_windows(whole: Any, parts: list[WindowRows]) -> int:
@@ -171,7 +202,8 @@ class StaticWindowRows(StaticSlidingWindowLayer):
     `capture_graph`: a graph would keep the fill state and mask offsets of its capture."""
 
     def __init__(
-        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
+        self, whole: Any, shared: None, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
     ) -> None:
         self.__dict__.update(whole.__dict__)
         self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
@@ -213,6 +245,14 @@ class StaticWindowRows(StaticSlidingWindowLayer):
         self.written = length
         return super().update(key_states, value_states, *args, **kwargs)
 
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        """After a call: the caller's lengths set (the tensor in place) to the ubatches'."""
+        count = _tokens_written(parts)
+        if count:
+            whole.cumulative_length_int += count
+            whole.cumulative_length.copy_(parts[0].cumulative_length)
+
 
 class IndexedRows(GrowingRows, DynamicIndexedLayer):
     """Rows [start, stop) of a whole `DynamicIndexedLayer`: keys and values in the shared
@@ -221,9 +261,10 @@ class IndexedRows(GrowingRows, DynamicIndexedLayer):
     at the call's end (`join_indexers`: one copy of the indexer keys, a single head)."""
 
     def __init__(
-        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int
+        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
     ) -> None:
-        super().__init__(shared, call, ubatch, start, stop)
+        super().__init__(whole, shared, call, ubatch, start, stop, batch_size)
         self.whole = whole
         self.run: object = None
         self.updated_indexer = False
@@ -245,6 +286,12 @@ class IndexedRows(GrowingRows, DynamicIndexedLayer):
             self.indexer_dtype, self.indexer_device = whole.indexer_dtype, whole.indexer_device
             keys = whole.indexer_keys
             self.indexer_keys = keys[self.rows] if keys.ndim == 3 else keys
+
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        """After a call: keys and values as `GrowingRows`', the indexer keys joined."""
+        GrowingRows.end_call(whole, parts)
+        parts[0].shared.bytes_written += join_indexers(whole, parts)
 
 
 def join_indexers(whole: Any, parts: list[IndexedRows]) -> int:
@@ -291,8 +338,10 @@ class StaticIndexedRows(StaticRows):
         return keys
 
     @staticmethod
-    def finish(whole: Any, parts: list[StaticIndexedRows]) -> None:
-        """Advance the caller's indexer length by the tokens each ubatch wrote."""
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        """After a call: keys and values as `StaticRows`', the caller's indexer length
+        advanced once by the tokens each ubatch wrote."""
+        StaticRows.end_call(whole, parts)
         if any(getattr(part, "indexer_position_ids", None) is not None for part in parts):
             raise ValueError(
                 "dbo does not split the indexer positions this model keeps on its cache "

@@ -2,9 +2,9 @@
 (`dbo._hf_cache`): views of the rows of their conv and recurrent states, written in place.
 
 - `StateRows`: rows of a `LinearAttentionLayer`'s states.
-- `HybridRows`, `StaticHybridRows`: rows of a layer holding both attention keys and
-  states (Falcon-H1, Zaya): `StateRows` with the full-attention layer's way of its cache
-  kind (`GrowingRows`, `StaticRows`).
+- `HybridRows`, `SlidingHybridRows`, `StaticHybridRows`, `StaticSlidingHybridRows`: rows
+  of a layer holding both attention keys (or a window) and states (Falcon-H1, Zaya):
+  `StateRows` with the way of the attention layer of its kind.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from dbo._hf_growing import GrowingRows, check_rows
-from dbo._hf_layers import StaticRows
+from dbo._hf_layers import StaticRows, StaticWindowRows, WindowRows
 from dbo.api import run_state
 
 
@@ -29,16 +29,17 @@ class StateRows(LinearAttentionLayer):
     is marked until the call ends (and a marked cache is refused)."""
 
     def __init__(
-        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
+        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
+        batch_size: int,
     ) -> None:
         self.call: Any | None = None  # not entered while the base class sets its fields
         super().__init__(number_of_states=whole.number_of_states)
         self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
-        self.run: object = None
+        self.states_run: object = None
         for states in (*whole.conv_states.values(), *whole.recurrent_states.values()):
             if states is not None:
                 check_rows(type(call.whole).__name__, states.shape[0], batch_size)
-        self._take_rows()
+        self._take_states()
         self.call, self.ubatch = call, ubatch
 
     @property  # reads come before every state the Cache hands out
@@ -82,7 +83,7 @@ class StateRows(LinearAttentionLayer):
         if "conv_states" in given or "recurrent_states" in given:
             whole.lazy_initialization(state_idx=state_idx, **given)
         flags = self._flags
-        self._take_rows()
+        self._take_states()
         self._flags = flags  # this ubatch's, as the call left them so far
 
     def _enter(self) -> None:
@@ -90,11 +91,11 @@ class StateRows(LinearAttentionLayer):
             return
         self.call.enter(self.ubatch)
         self.call.whole._dbo_overwritten = True  # until the call ends
-        if self.run is not run_state():
-            self.run = run_state()
-            self._take_rows()
+        if self.states_run is not run_state():
+            self.states_run = run_state()
+            self._take_states()
 
-    def _take_rows(self) -> None:
+    def _take_states(self) -> None:
         whole = self.whole
         self._flags = dict(whole.has_previous_state)
         self.device, self.dtype = whole.device, whole.dtype
@@ -107,9 +108,9 @@ class StateRows(LinearAttentionLayer):
                                  for index, states in whole.recurrent_states.items()}
 
     @staticmethod
-    def finish(whole: Any, parts: list[StateRows]) -> None:
+    def end_call(whole: Any, parts: list[Any]) -> None:
         """The caller's flags after a call: the ubatches' (the states are written in place)."""
-        flags = [part._flags for part in parts if part.run is run_state()]
+        flags = [part._flags for part in parts if part.states_run is run_state()]
         if any(flag != flags[0] for flag in flags):
             raise RuntimeError(
                 "the ubatches left different linear-attention states in one cache layer "
@@ -124,32 +125,79 @@ class HybridRows(StateRows, GrowingRows):  # type: ignore[misc,override]
     values as `GrowingRows`, its states as `StateRows`. (The bases' attributes clash for
     type checkers as `transformers`' own hybrid layers' do.)"""
 
-    def __init__(
-        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
-        batch_size: int,
-    ) -> None:
-        GrowingRows.__init__(self, shared, call, ubatch, start, stop)
-        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+    def __init__(self, *args: Any) -> None:
+        GrowingRows.__init__(self, *args)
+        StateRows.__init__(self, *args)
 
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         """The states' (keyword arguments); the keys are the shared buffers'."""
         StateRows.lazy_initialization(self, **kwargs)
+
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        GrowingRows.end_call(whole, parts)
+        StateRows.end_call(whole, parts)
+
+
+class SlidingHybridRows(StateRows, WindowRows):  # type: ignore[misc,override]
+    """Rows [start, stop) of a whole `LinearAttentionAndSlidingWindowAttentionLayer`: its
+    window as `WindowRows`, its states as `StateRows`."""
+
+    def __init__(self, *args: Any) -> None:
+        WindowRows.__init__(self, *args)
+        StateRows.__init__(self, *args)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The window's (two positional arguments, as `transformers`' hybrid layers tell
+        them apart) or the states' (keyword arguments)."""
+        if args:
+            WindowRows.lazy_initialization(self, *args)
+        else:
+            StateRows.lazy_initialization(self, **kwargs)
+
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        WindowRows.end_call(whole, parts)
+        StateRows.end_call(whole, parts)
 
 
 class StaticHybridRows(StateRows, StaticRows):  # type: ignore[misc,override]
     """Rows [start, stop) of a whole `LinearAttentionAndStaticFullAttentionLayer`: its
     keys and values as `StaticRows`, its states as `StateRows`."""
 
-    def __init__(
-        self, whole: Any, call: Any, ubatch: int, start: int, stop: int, batch_size: int
-    ) -> None:
-        StaticRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
-        StateRows.__init__(self, whole, call, ubatch, start, stop, batch_size)
+    def __init__(self, *args: Any) -> None:
+        StaticRows.__init__(self, *args)
+        StateRows.__init__(self, *args)
 
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The keys' (two positional arguments, as `transformers`' hybrid layers tell them
-        apart) or the states' (keyword arguments)."""
+        """The keys' (positional arguments) or the states' (keyword arguments)."""
         if args:
             StaticRows.lazy_initialization(self, *args)
         else:
             StateRows.lazy_initialization(self, **kwargs)
+
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        StaticRows.end_call(whole, parts)
+        StateRows.end_call(whole, parts)
+
+
+class StaticSlidingHybridRows(StateRows, StaticWindowRows):  # type: ignore[misc,override]
+    """Rows [start, stop) of a whole `LinearAttentionAndStaticSlidingWindowAttentionLayer`:
+    its window as `StaticWindowRows`, its states as `StateRows`."""
+
+    def __init__(self, *args: Any) -> None:
+        StaticWindowRows.__init__(self, *args)
+        StateRows.__init__(self, *args)
+
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        """The window's (positional arguments) or the states' (keyword arguments)."""
+        if args:
+            StaticWindowRows.lazy_initialization(self, *args)
+        else:
+            StateRows.lazy_initialization(self, **kwargs)
+
+    @staticmethod
+    def end_call(whole: Any, parts: list[Any]) -> None:
+        StaticWindowRows.end_call(whole, parts)
+        StateRows.end_call(whole, parts)
