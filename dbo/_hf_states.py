@@ -3,8 +3,9 @@
 
 - `StateRows`: rows of a `LinearAttentionLayer`'s states.
 - `HybridRows`, `SlidingHybridRows`, `StaticHybridRows`, `StaticSlidingHybridRows`: rows
-  of a layer holding both attention keys (or a window) and states (Falcon-H1, Zaya):
-  `StateRows` with the way of the attention layer of its kind.
+  of a layer holding both attention keys (or a window) and states (Falcon-H1, Zaya,
+  Inkling: `transformers`' four `LinearAttentionAnd...Layer`s): `StateRows` with the
+  way of the attention layer of its kind (`_hybrid`).
 """
 
 from __future__ import annotations
@@ -120,84 +121,31 @@ class StateRows(LinearAttentionLayer):
             whole.has_previous_state = dict(flags[0])
 
 
-class HybridRows(StateRows, GrowingRows):  # type: ignore[misc,override]
-    """Rows [start, stop) of a whole `LinearAttentionAndFullAttentionLayer`: its keys and
-    values as `GrowingRows`, its states as `StateRows`. (The bases' attributes clash for
-    type checkers as `transformers`' own hybrid layers' do.)"""
+def _hybrid(attention: Any, name: str) -> Any:
+    """The class of a ubatch's rows of a layer holding both `attention`'s keys (or window)
+    and linear-attention states, as `transformers`' hybrid layers do: it initializes as
+    both, tells their lazy initializations apart as `transformers` does (the attention's
+    takes two positional arguments, the states' keywords), and ends a call as both."""
 
-    def __init__(self, *args: Any) -> None:
-        GrowingRows.__init__(self, *args)
+    def __init__(self: Any, *args: Any) -> None:
+        attention.__init__(self, *args)
         StateRows.__init__(self, *args)
 
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The states' (keyword arguments); the keys are the shared buffers'."""
-        StateRows.lazy_initialization(self, **kwargs)
+    def lazy_initialization(self: Any, *args: Any, **kwargs: Any) -> None:
+        (attention if args else StateRows).lazy_initialization(self, *args, **kwargs)
 
-    @staticmethod
     def end_call(whole: Any, parts: list[Any]) -> None:
-        GrowingRows.end_call(whole, parts)
+        attention.end_call(whole, parts)
         StateRows.end_call(whole, parts)
 
-
-class SlidingHybridRows(StateRows, WindowRows):  # type: ignore[misc,override]
-    """Rows [start, stop) of a whole `LinearAttentionAndSlidingWindowAttentionLayer`: its
-    window as `WindowRows`, its states as `StateRows`."""
-
-    def __init__(self, *args: Any) -> None:
-        WindowRows.__init__(self, *args)
-        StateRows.__init__(self, *args)
-
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The window's (two positional arguments, as `transformers`' hybrid layers tell
-        them apart) or the states' (keyword arguments)."""
-        if args:
-            WindowRows.lazy_initialization(self, *args)
-        else:
-            StateRows.lazy_initialization(self, **kwargs)
-
-    @staticmethod
-    def end_call(whole: Any, parts: list[Any]) -> None:
-        WindowRows.end_call(whole, parts)
-        StateRows.end_call(whole, parts)
+    return type(name, (StateRows, attention), {
+        "__init__": __init__, "lazy_initialization": lazy_initialization,
+        "end_call": staticmethod(end_call), "__module__": __name__,
+        "__doc__": f"Hybrid rows: the states as `StateRows`, keys as `{attention.__name__}`.",
+    })
 
 
-class StaticHybridRows(StateRows, StaticRows):  # type: ignore[misc,override]
-    """Rows [start, stop) of a whole `LinearAttentionAndStaticFullAttentionLayer`: its
-    keys and values as `StaticRows`, its states as `StateRows`."""
-
-    def __init__(self, *args: Any) -> None:
-        StaticRows.__init__(self, *args)
-        StateRows.__init__(self, *args)
-
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The keys' (positional arguments) or the states' (keyword arguments)."""
-        if args:
-            StaticRows.lazy_initialization(self, *args)
-        else:
-            StateRows.lazy_initialization(self, **kwargs)
-
-    @staticmethod
-    def end_call(whole: Any, parts: list[Any]) -> None:
-        StaticRows.end_call(whole, parts)
-        StateRows.end_call(whole, parts)
-
-
-class StaticSlidingHybridRows(StateRows, StaticWindowRows):  # type: ignore[misc,override]
-    """Rows [start, stop) of a whole `LinearAttentionAndStaticSlidingWindowAttentionLayer`:
-    its window as `StaticWindowRows`, its states as `StateRows`."""
-
-    def __init__(self, *args: Any) -> None:
-        StaticWindowRows.__init__(self, *args)
-        StateRows.__init__(self, *args)
-
-    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
-        """The window's (positional arguments) or the states' (keyword arguments)."""
-        if args:
-            StaticWindowRows.lazy_initialization(self, *args)
-        else:
-            StateRows.lazy_initialization(self, **kwargs)
-
-    @staticmethod
-    def end_call(whole: Any, parts: list[Any]) -> None:
-        StaticWindowRows.end_call(whole, parts)
-        StateRows.end_call(whole, parts)
+HybridRows = _hybrid(GrowingRows, "HybridRows")  # LinearAttentionAndFullAttentionLayer
+SlidingHybridRows = _hybrid(WindowRows, "SlidingHybridRows")
+StaticHybridRows = _hybrid(StaticRows, "StaticHybridRows")
+StaticSlidingHybridRows = _hybrid(StaticWindowRows, "StaticSlidingHybridRows")
