@@ -143,11 +143,16 @@ class _Call:
         self.returned = 0
         self.children: list[Any] = []
         self.growing: Growing | None = None
+        self.marks: dict[Any, Any] = {}
+        """Per caller's layer (and part of it) one ubatch made for every row in this run,
+        the mark on its stream after the zero fill, which the others follow."""
         self._run: dict[str, Any] | None = None
         """The run the counts are of: the same parts can run again (`capture_graph`
         splits once, then runs them for its warmup and its capture)."""
 
     def enter(self, ubatch: int) -> None:
+        """Count ubatch `ubatch` in at its first write in a run (every row class calls
+        this before it touches the caller's layer)."""
         if self.growing is not None and capturing():
             raise ValueError(
                 "a transformers DynamicCache cannot be in a dbo.capture_graph: its lengths and "
@@ -158,6 +163,7 @@ class _Call:
         state = run_state()
         if state is not self._run:  # another run of the same parts: count afresh
             self._run, self.entered, self.returned = state, [False] * len(self.entered), 0
+            self.marks = {}
         if not self.entered[ubatch]:
             self.entered[ubatch] = True
             at_ubatch_exit(self._returned)  # outside an overlap (a part used alone): never

@@ -27,8 +27,20 @@ from transformers.cache_utils import (
 )
 
 from dbo._hf_growing import GrowingRows, check_rows
-from dbo.api import run_state
+from dbo.api import follow_mark, run_state, stream_mark
 from dbo.graphs import capturing
+
+
+def initialize_once(call: Any, key: Any, initialized: bool, initialize: Any) -> None:
+    """`initialize()` the caller's layer (or a part of it) for every row unless
+    `initialized`, marking this ubatch's stream after it; else follow the mark another
+    ubatch left in this run: the zero fill it queued on its own stream must come before
+    this ubatch writes its rows."""
+    if not initialized:
+        initialize()
+        call.marks[key] = stream_mark()
+    else:
+        follow_mark(call.marks.get(key))
 
 
 class StaticRows(StaticLayer):
@@ -51,11 +63,12 @@ class StaticRows(StaticLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Initialize the whole layer (all rows, on the first write of any ubatch), then
         take this ubatch's views of it."""
-        if not self.whole.is_initialized:
-            self.whole.lazy_initialization(
+        whole = self.whole
+        initialize_once(self.call, (id(whole), "keys"), whole.is_initialized, lambda: (
+            whole.lazy_initialization(
                 key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
                 value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
-            )
+            )))
         self._take_views()
 
     def update(
@@ -225,13 +238,13 @@ class StaticWindowRows(StaticSlidingWindowLayer):
             )
         self.call.enter(self.ubatch)
         whole = self.whole
-        if not whole.is_initialized:  # all rows, on the first write of any ubatch
-            whole.lazy_initialization(
-                key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
-                value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
-            )
         if self.run is not run_state():
             self.run = run_state()
+            initialize_once(self.call, (id(whole), "keys"), whole.is_initialized, lambda: (
+                whole.lazy_initialization(  # all rows, on the first write of any ubatch
+                    key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
+                    value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
+                )))
             for name in ("device", "num_heads", "k_head_dim", "v_head_dim",
                          "cumulative_length_int"):
                 setattr(self, name, getattr(whole, name))
@@ -327,9 +340,9 @@ class StaticIndexedRows(StaticRows):
         """`StaticIndexedLayer.update_indexer` on this ubatch's rows, leaving the length."""
         self.call.enter(self.ubatch)
         whole = self.whole
-        if not whole.is_indexer_initialized:  # all rows, on the first write of any ubatch
-            whole.lazy_initialization_indexer(indexer_key_states[:1].expand(
-                (self.whole_batch, *indexer_key_states.shape[1:])))
+        initialize_once(self.call, (id(whole), "indexer"), whole.is_indexer_initialized,
+                        lambda: whole.lazy_initialization_indexer(indexer_key_states[:1].expand(
+                            (self.whole_batch, *indexer_key_states.shape[1:]))))
         keys = whole.indexer_keys[self.rows]
         length = indexer_key_states.shape[1]
         positions = torch.arange(length, device=keys.device) + whole.indexer_cumulative_length

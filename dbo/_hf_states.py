@@ -16,8 +16,8 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from dbo._hf_growing import GrowingRows, check_rows
-from dbo._hf_layers import StaticRows, StaticWindowRows, WindowRows
-from dbo.api import run_state
+from dbo._hf_layers import StaticRows, StaticWindowRows, WindowRows, initialize_once
+from dbo.api import follow_mark, run_state
 
 
 class StateRows(LinearAttentionLayer):
@@ -81,8 +81,10 @@ class StateRows(LinearAttentionLayer):
             conv_kernel_size=conv_kernel_size,
         )
         given = {name: value for name, value in given.items() if value is not None}
-        if "conv_states" in given or "recurrent_states" in given:
-            whole.lazy_initialization(state_idx=state_idx, **given)
+        key = (id(whole), "states", state_idx)
+        initialize_once(self.call, key, "conv_states" not in given and "recurrent_states"
+                        not in given, lambda: whole.lazy_initialization(state_idx=state_idx,
+                                                                       **given))
         flags = self._flags
         self._take_states()
         self._flags = flags  # this ubatch's, as the call left them so far
@@ -95,6 +97,9 @@ class StateRows(LinearAttentionLayer):
         if self.states_run is not run_state():
             self.states_run = run_state()
             self._take_states()
+            for key, mark in self.call.marks.items():
+                if key[:2] == (id(self.whole), "states"):  # made by another ubatch
+                    follow_mark(mark)
 
     def _take_states(self) -> None:
         whole = self.whole

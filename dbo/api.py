@@ -173,6 +173,22 @@ def wait_for_every_ubatch() -> None:
         run.wait_for_every_ubatch(ubatch_id)
 
 
+def stream_mark() -> Any:
+    """An event recorded now on this ubatch's current stream: what it has queued so far
+    (None outside an overlap). For library code whose device work another ubatch must
+    follow (`follow_mark`): `dbo`'s KV-cache rule marks the zero fill of a cache layer
+    one ubatch makes for every row."""
+    run, _ = _run_and_id()
+    return None if run is None else run.backend.record_event(run.backend.current_stream())
+
+
+def follow_mark(mark: Any) -> None:
+    """Order this ubatch's current stream after `mark` (from `stream_mark`; None: nothing)."""
+    run, _ = _run_and_id()
+    if run is not None and mark is not None:
+        run.backend.wait_event(run.backend.current_stream(), mark)
+
+
 def register_recv_hook(hook: Callable[[], Any]) -> None:
     """Hand `hook` to the next ubatch in the ring, to run at its `maybe_run_recv_hook()`.
 

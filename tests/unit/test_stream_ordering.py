@@ -183,6 +183,38 @@ def test_the_caller_kv_cache_is_brought_up_to_date_after_every_ubatchs_streams(
     assert {"compute0", "comm0", "compute1", "comm1"} - {last} <= waited_for, log
 
 
+@pytest.mark.parametrize("kind", ["static", "mamba"])
+def test_a_cache_layer_one_ubatch_initializes_is_used_by_the_others_after_its_zero_fill(
+    log: list[tuple[str, ...]], kind: str,
+) -> None:
+    """A StaticCache layer (or Mamba's states) not yet initialized is made, zero-filled,
+    for every row by the first ubatch to write, on its stream: the other ubatch's stream
+    waits for that before its own rows are written."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "static":
+        config = transformers.Qwen2Config(num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=2, hidden_size=16)
+        cache = transformers.StaticCache(config=config, max_cache_len=8)
+    else:
+        cache = transformers.DynamicCache(config=transformers.MambaConfig(num_hidden_layers=1))
+
+    def write(states: torch.Tensor, cache: Any) -> torch.Tensor:
+        log.append(("write", _backend().current_stream().name))
+        if kind == "static":
+            cache.update(states, states, 0)
+        else:
+            cache.update_conv_state(states, 0, conv_kernel_size=4)
+        log.append(("written",))
+        return states
+
+    dbo.overlap(write)(torch.ones(4, 2, 3, 8) if kind == "static" else torch.ones(4, 6, 3), cache)
+    first, second = [entry[1] for entry in log if entry[0] == "write"]
+    start = log.index(("write", second))
+    during = log[start : log.index(("written",), start)]
+    waits = [entry[2] for entry in during if entry[0] == "wait" and entry[1] == second]
+    assert first in waits, log
+
+
 def test_a_shared_cache_buffer_grows_after_every_ubatchs_streams(
     log: list[tuple[str, ...]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
