@@ -18,7 +18,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from dbo._hf_layers import fill_indexer, fill_keys
+from dbo._hf_layers import fill_indexer, fill_keys, refuse_indexer_positions
 
 
 def joined(parts: list[Any]) -> Any:
@@ -83,11 +83,7 @@ def _joined_states(parts: list[Any]) -> Any:
 
 def _joined_indexed(parts: list[Any]) -> Any:
     """One DynamicIndexedLayer of the rows of `parts`: keys, values and indexer keys."""
-    if any(part.indexer_position_ids is not None for part in parts):
-        raise ValueError(
-            "dbo does not join the indexer positions this model keeps on its cache layers "
-            "(indexer_position_ids); pass use_cache=False"
-        )
+    refuse_indexer_positions(parts)
     layer = _joined_keys(parts)
     if all(part.is_indexer_initialized for part in parts):
         fill_indexer(layer, parts)

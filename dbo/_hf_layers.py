@@ -31,6 +31,22 @@ from dbo.api import follow_mark, run_state, stream_mark
 from dbo.graphs import capturing
 
 
+def for_every_row(states: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """`states` of one ubatch's rows as if of all `batch_size` (a view): what a layer's
+    lazy initialization reads its shapes and dtype from, when it makes it for every row."""
+    return states[:1].expand((batch_size, *states.shape[1:]))
+
+
+def refuse_indexer_positions(parts: list[Any]) -> None:
+    """ValueError if the model set indexer positions on a ubatch's layer: dbo does not
+    split or join them."""
+    if any(getattr(part, "indexer_position_ids", None) is not None for part in parts):
+        raise ValueError(
+            "dbo does not split the indexer positions this model keeps on its cache layers "
+            "(indexer_position_ids); pass use_cache=False"
+        )
+
+
 def initialize_once(call: Any, key: Any, initialized: bool, initialize: Any) -> None:
     """`initialize()` the caller's layer (or a part of it) for every row unless
     `initialized`, marking this ubatch's stream after it; else follow the mark another
@@ -63,12 +79,7 @@ class StaticRows(StaticLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Initialize the whole layer (all rows, on the first write of any ubatch), then
         take this ubatch's views of it."""
-        whole = self.whole
-        initialize_once(self.call, (id(whole), "keys"), whole.is_initialized, lambda: (
-            whole.lazy_initialization(
-                key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
-                value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
-            )))
+        _make_whole(self, key_states, value_states)
         self._take_views()
 
     def update(
@@ -103,17 +114,26 @@ class StaticRows(StaticLayer):
             whole.cumulative_length.add_(count)
 
 
-def _tokens_written(parts: list[Any]) -> int | None:
-    """The tokens each ubatch wrote into one StaticCache layer in this run (the same for
-    all, or RuntimeError), forgotten for the parts' next run (`capture_graph`)."""
-    written = {part.written for part in parts}
+def _make_whole(rows: Any, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """Make the caller's static layer for every row, on the first write of any ubatch."""
+    whole, batch_size = rows.whole, rows.whole_batch
+    initialize_once(rows.call, (id(whole), "keys"), whole.is_initialized, lambda: (
+        whole.lazy_initialization(for_every_row(key_states, batch_size),
+                                  for_every_row(value_states, batch_size))))
+
+
+def _tokens_written(parts: list[Any], name: str = "written", what: str = "tokens") -> Any:
+    """The tokens each ubatch wrote into one StaticCache layer in this run (their `name`:
+    the same for all, or RuntimeError), forgotten for the parts' next run
+    (`capture_graph`)."""
+    written = {getattr(part, name) for part in parts}
     if len(written) != 1:
         raise RuntimeError(
-            f"the ubatches wrote different numbers of tokens into one StaticCache layer "
+            f"the ubatches wrote different numbers of {what} into one StaticCache layer "
             f"({sorted(written, key=str)}); each must run the same forward on its rows"
         )
     for part in parts:
-        part.written = None
+        setattr(part, name, None)
     (count,) = written
     return count
 
@@ -240,11 +260,7 @@ class StaticWindowRows(StaticSlidingWindowLayer):
         whole = self.whole
         if self.run is not run_state():
             self.run = run_state()
-            initialize_once(self.call, (id(whole), "keys"), whole.is_initialized, lambda: (
-                whole.lazy_initialization(  # all rows, on the first write of any ubatch
-                    key_states[:1].expand((self.whole_batch, *key_states.shape[1:])),
-                    value_states[:1].expand((self.whole_batch, *value_states.shape[1:])),
-                )))
+            _make_whole(self, key_states, value_states)
             for name in ("device", "num_heads", "k_head_dim", "v_head_dim",
                          "cumulative_length_int"):
                 setattr(self, name, getattr(whole, name))
@@ -310,11 +326,7 @@ class IndexedRows(GrowingRows, DynamicIndexedLayer):
 def join_indexers(whole: Any, parts: list[IndexedRows]) -> int:
     """The caller's indexer keys after a call: the ubatches', joined if they wrote them;
     the bytes written. Indexer positions set on the layer are refused."""
-    if any(part.indexer_position_ids is not None for part in parts):
-        raise ValueError(
-            "dbo does not split the indexer positions this model keeps on its cache layers "
-            "(indexer_position_ids); pass use_cache=False"
-        )
+    refuse_indexer_positions(parts)
     if not _all_wrote(parts, "updated_indexer", "indexer keys"):
         return 0
     fill_indexer(whole, parts)
@@ -341,8 +353,8 @@ class StaticIndexedRows(StaticRows):
         self.call.enter(self.ubatch)
         whole = self.whole
         initialize_once(self.call, (id(whole), "indexer"), whole.is_indexer_initialized,
-                        lambda: whole.lazy_initialization_indexer(indexer_key_states[:1].expand(
-                            (self.whole_batch, *indexer_key_states.shape[1:]))))
+                        lambda: whole.lazy_initialization_indexer(
+                            for_every_row(indexer_key_states, self.whole_batch)))
         keys = whole.indexer_keys[self.rows]
         length = indexer_key_states.shape[1]
         positions = torch.arange(length, device=keys.device) + whole.indexer_cumulative_length
@@ -355,19 +367,7 @@ class StaticIndexedRows(StaticRows):
         """After a call: keys and values as `StaticRows`', the caller's indexer length
         advanced once by the tokens each ubatch wrote."""
         StaticRows.end_call(whole, parts)
-        if any(getattr(part, "indexer_position_ids", None) is not None for part in parts):
-            raise ValueError(
-                "dbo does not split the indexer positions this model keeps on its cache "
-                "layers (indexer_position_ids); pass use_cache=False"
-            )
-        written = {part.indexer_written for part in parts}
-        if len(written) != 1:
-            raise RuntimeError(
-                f"the ubatches wrote different numbers of indexer keys into one StaticCache "
-                f"layer ({sorted(written, key=str)}); each must run the same forward on its rows"
-            )
-        (count,) = written
+        refuse_indexer_positions(parts)
+        count = _tokens_written(parts, "indexer_written", "indexer keys")
         if count:
             whole.indexer_cumulative_length.add_(count)
-        for part in parts:
-            part.indexer_written = None

@@ -16,7 +16,13 @@ import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from dbo._hf_growing import GrowingRows, check_rows
-from dbo._hf_layers import StaticRows, StaticWindowRows, WindowRows, initialize_once
+from dbo._hf_layers import (
+    StaticRows,
+    StaticWindowRows,
+    WindowRows,
+    for_every_row,
+    initialize_once,
+)
 from dbo.api import follow_mark, run_state
 
 
@@ -73,7 +79,7 @@ class StateRows(LinearAttentionLayer):
         def all_rows(states: torch.Tensor | None, done: dict[int, bool]) -> Any:
             if states is None or done[state_idx]:
                 return None
-            return states[:1].expand((self.whole_batch, *states.shape[1:])).contiguous()
+            return for_every_row(states, self.whole_batch).contiguous()
 
         given = dict(  # only those given: transformers' hybrid layers count them
             conv_states=all_rows(conv_states, whole.is_conv_states_initialized),
