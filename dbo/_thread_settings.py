@@ -1,10 +1,9 @@
 """The caller's thread-local torch settings, replayed in the ubatch worker threads.
 
-Replayed: the intra-op thread count, grad and inference mode, the cpu and cuda autocasts,
-the default device, the current CUDA device, the innermost saved-tensor hooks (so that
-checkpointing or `save_on_cpu` around the call keep their memory saving in the ubatches)
-or their being disabled. CPU affinity is set once per worker (`dbo._affinity`). Under any
-other torch-function or dispatch mode, or a `torch.func` transform, `dbo.overlap` runs
+Replayed: the intra-op thread count, the current CUDA device, inference and grad mode, the
+cpu and cuda autocasts, the default device, the innermost saved-tensor hooks (checkpointing
+or `save_on_cpu` around the call keep their memory saving) or their being disabled. Under
+any other torch-function or dispatch mode, or a `torch.func` transform, `dbo.overlap` runs
 inline: a mode entered from several threads breaks modes that keep per-entry state.
 Workers serve unrelated calls: what `fn` leaves switched on is switched off after its job.
 """
@@ -12,10 +11,13 @@ Workers serve unrelated calls: what `fn` leaves switched on is switched off afte
 from __future__ import annotations
 
 import threading
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
 _CPU = torch.device("cpu")
@@ -29,48 +31,43 @@ _applied = threading.local()  # .num_threads: what this worker set; torch may re
 
 
 class ThreadSettings(NamedTuple):
-    """The caller's settings, captured once per overlap call."""
+    """The caller's settings, captured once per overlap call: what a worker always sets,
+    and the contexts it enters for what differs from a new thread's defaults."""
 
     num_threads: int
-    grad_enabled: bool
-    inference_mode: bool
-    autocast: tuple[tuple[str, torch.dtype, bool], ...]
-    """(device_type, dtype, cache_enabled) of each enabled autocast."""
-    default_device: torch.device
     cuda_device: int | None
-    saved_tensors_hooks: tuple[Any, Any] | None
-    hooks_disabled: str | None
-    """The message of `disable_saved_tensors_hooks`, if the caller disabled them."""
+    inference_mode: bool
+    contexts: tuple[Callable[[], AbstractContextManager[Any]], ...]
 
 
 def capture() -> ThreadSettings:
     """The calling thread's settings."""
     cuda_initialized = torch.cuda.is_initialized()  # a flag read; implies available
+    inference = torch.is_inference_mode_enabled()
+    contexts: list[Callable[[], AbstractContextManager[Any]]] = []
+    if not torch.is_grad_enabled():
+        contexts.append(partial(torch.set_grad_enabled, False))
+    for kind in _AUTOCAST_TYPES if cuda_initialized else _AUTOCAST_TYPES[:1]:
+        if torch.is_autocast_enabled(kind):  # cuda's only where CUDA runs: autocast refuses it
+            dtype, cache = torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled()
+            contexts.append(partial(torch.autocast, kind, dtype=dtype, cache_enabled=cache))
+    # torch.get_default_device() costs ~2 us; a default device is a torch-function mode.
+    device = _CPU if _function_mode_depth() == 0 else torch.get_default_device()
+    if device != _CPU:
+        contexts.append(lambda: device)  # a torch.device is a context manager
+    if (hooks := _top_hooks(True)) is not None:
+        contexts.append(partial(saved_tensors_hooks, *hooks))
+    if (message := _hooks_disabled()) is not None:
+        contexts.append(partial(disable_saved_tensors_hooks, message))
     return ThreadSettings(
-        torch.get_num_threads(),
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        tuple(  # cuda's only where CUDA runs: torch.autocast refuses it elsewhere
-            (kind, torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
-            for kind in (_AUTOCAST_TYPES if cuda_initialized else _AUTOCAST_TYPES[:1])
-            if torch.is_autocast_enabled(kind)
-        ),
-        default_device(),
-        torch.cuda.current_device() if cuda_initialized else None,
-        _top_hooks(True),
-        _hooks_disabled(),
+        torch.get_num_threads(), torch.cuda.current_device() if cuda_initialized else None,
+        inference, tuple(contexts),
     )
 
 
 def saved_tensors_hooks_active() -> bool:
     """Whether saved-tensor hooks are on in this thread (checkpointing, `save_on_cpu`)."""
     return _top_hooks(True) is not None
-
-
-def default_device() -> torch.device:
-    """`torch.get_default_device()`, without its ~2 us when no torch-function mode is on
-    (a default device is one: `DeviceContext`)."""
-    return _CPU if _function_mode_depth() == 0 else torch.get_default_device()
 
 
 def unreplayed_mode_active() -> bool:
@@ -103,35 +100,21 @@ class applied:  # noqa: N801 - a class, not a generator: every ubatch of every c
             _applied.num_threads = settings.num_threads
         if settings.cuda_device is not None:
             torch.cuda.set_device(settings.cuda_device)
-        # A guard `fn` keeps alive leaves inference mode on: inference_mode(False) wins.
+        # A guard `fn` kept alive leaves inference mode on: inference_mode(False) wins.
         inference = settings.inference_mode or torch.is_inference_mode_enabled()
-        if (
-            settings.grad_enabled and not inference and not settings.autocast
-            and settings.default_device == _CPU and settings.saved_tensors_hooks is None
-            and settings.hooks_disabled is None
-        ):
+        if not (inference or settings.contexts):
             return  # the usual case: the thread's defaults are the caller's settings
         with ExitStack() as stack:  # unwinds what was entered if an enter fails
             if inference:
                 stack.enter_context(torch.inference_mode(settings.inference_mode))
-            stack.enter_context(torch.set_grad_enabled(settings.grad_enabled))
-            for kind, dtype, cache in settings.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=cache))
-            if settings.default_device != _CPU:
-                stack.enter_context(settings.default_device)
-            if settings.saved_tensors_hooks is not None:
-                pack, unpack = settings.saved_tensors_hooks
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-            if settings.hooks_disabled is not None:
-                message = settings.hooks_disabled
-                stack.enter_context(torch.autograd.graph.disable_saved_tensors_hooks(message))
+            for context in settings.contexts:
+                stack.enter_context(context())
             self._stack = stack.pop_all()
 
     def __exit__(self, *exc_info: object) -> None:
         try:
             if self._stack is not None:
                 self._stack.close()
-                self._stack = None
         finally:
             if torch.get_num_threads() != getattr(_applied, "num_threads", None):
                 _applied.num_threads = None  # `fn` changed it: the next job sets it again

@@ -115,20 +115,6 @@ def test_a_grad_mode_left_changed_by_fn_does_not_leak_into_the_next_run() -> Non
     assert torch.is_grad_enabled()
 
 
-def test_the_cheap_default_device_agrees_with_torch() -> None:
-    from dbo._thread_settings import default_device
-
-    assert default_device() == torch.get_default_device() == torch.device("cpu")
-    with torch.device("meta"):
-        assert default_device() == torch.get_default_device() == torch.device("meta")
-    torch.set_default_device("meta")
-    try:
-        assert default_device() == torch.get_default_device() == torch.device("meta")
-    finally:
-        torch.set_default_device(None)
-    assert default_device() == torch.device("cpu")
-
-
 _needs_affinity = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs Linux CPU affinity and 2 CPUs",

@@ -4,13 +4,13 @@ the workers cannot share runs inline."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
 import torch
 
 import dbo
-from dbo import _thread_settings
 
 TIMEOUT_S = 30.0
 
@@ -26,19 +26,26 @@ def _innocent(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------ replayed in the workers
 
 
-def test_default_device_context_is_replayed_in_workers() -> None:
-    """`with torch.device(...)` (a thread-local TorchFunctionMode) is replayed: factory
-    calls inside fn land on the device they land on inline."""
+@pytest.mark.parametrize("how", ["with torch.device", "torch.set_default_device"])
+def test_default_device_context_is_replayed_in_workers(how: str) -> None:
+    """A default device (a thread-local TorchFunctionMode) is replayed: factory calls
+    inside fn land on the device they land on inline; none is left behind."""
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(x.shape[0])  # no explicit device: follows the default device
 
     x = torch.zeros(4)
-    with torch.device("meta"):
-        inline = fn(x)
-        overlapped = dbo.overlap(fn)(x)
+    with torch.device("meta") if how == "with torch.device" else contextlib.nullcontext():
+        if how == "torch.set_default_device":
+            torch.set_default_device("meta")
+        try:
+            inline = fn(x)
+            overlapped = dbo.overlap(fn)(x)
+        finally:
+            torch.set_default_device(None)
     assert inline.device.type == "meta"
     assert overlapped.device.type == inline.device.type
+    assert dbo.overlap(fn)(x).device.type == "cpu"
 
 
 def test_the_callers_autocast_still_reaches_every_call_after_a_leak() -> None:
@@ -64,26 +71,26 @@ def test_the_callers_autocast_reaches_the_ubatches(device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.init()
     before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    seen: list[tuple[bool, torch.dtype, bool]] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append((
+            torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled(),
+        ))
+        return x
+
     torch.set_autocast_enabled(device_type, True)
     torch.set_autocast_dtype(device_type, torch.float16)
     try:
-        assert _thread_settings.capture().autocast == (
-            (device_type, torch.float16, torch.is_autocast_cache_enabled()),
-        )
-        seen: list[tuple[bool, torch.dtype]] = []
-
-        def fn(x: torch.Tensor) -> torch.Tensor:
-            seen.append(
-                (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            )
-            return x
-
+        cache = torch.is_autocast_cache_enabled()
         _overlap(fn)(torch.zeros(4))
     finally:
         torch.set_autocast_enabled(device_type, before[0])
         torch.set_autocast_dtype(device_type, before[1])
-    assert seen == [(True, torch.float16)] * 2
-    assert _thread_settings.capture().autocast == ()
+    assert seen == [(True, torch.float16, cache)] * 2
+    _overlap(fn)(torch.zeros(4))
+    assert [enabled for enabled, _, _ in seen[2:]] == [before[0]] * 2
 
 
 # ------------------------------------------------------ nothing left to the next call
