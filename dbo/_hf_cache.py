@@ -24,8 +24,9 @@ Each ubatch's cache holds one view per layer (`dbo._hf_growing`, `dbo._hf_layers
 The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
-states): such a cache is refused afterwards. Caches of other kinds, layers of other
-kinds (quantized, a model's own) and offloading are refused, named. Caches that the
+states): such a cache is refused afterwards. DeepSeek-V4's layers of its own are joined
+like windows (`dbo._hf_models`). Caches of other kinds, layers of other kinds (quantized,
+another model's own) and offloading are refused, named. Caches that the
 ubatches create themselves (a forward called without one, `use_cache=True`) are joined
 once along the batch. This module imports `transformers`: `dbo` imports it only once
 `transformers` is (a cache is met, or `dbo.hf` is used).
@@ -58,6 +59,7 @@ from dbo import stateful
 from dbo._hf_growing import Growing, GrowingRows, NewLayer, growing_state
 from dbo._hf_joins import joined
 from dbo._hf_layers import IndexedRows, StaticIndexedRows, StaticRows, StaticWindowRows, WindowRows
+from dbo._hf_models import model_rows
 from dbo._hf_states import (
     HybridRows,
     SlidingHybridRows,
@@ -112,7 +114,7 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     for ubatch, (start, stop) in enumerate(bounds):
         child = _child(cache, call, [
             layer if type(layer) is DummyLayer  # holds nothing: shared
-            else kinds[type(layer)](layer, buffers, call, ubatch, start, stop, batch_size)
+            else _rows_class(kinds, layer)(layer, buffers, call, ubatch, start, stop, batch_size)
             for layer, buffers in zip(cache.layers, shared)
         ])
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
@@ -190,9 +192,18 @@ class _Call:
         whole._dbo_overwritten = False  # the call ended: windows and states are right
 
 
+def _rows_class(kinds: dict[Any, Any], layer: Any) -> Any:
+    """The class of a ubatch's rows of `layer` (None: dbo does not split it)."""
+    found = kinds.get(type(layer))
+    if found is None and kinds is ROWS[DynamicCache]:
+        found = model_rows(type(layer))
+    return found
+
+
 def _check_supported(cache: Any) -> None:
-    layer_kinds = (*ROWS.get(type(cache), ()), DummyLayer)
-    odd = [type(layer).__name__ for layer in cache.layers if type(layer) not in layer_kinds]
+    kinds = ROWS.get(type(cache), {})
+    odd = [type(layer).__name__ for layer in cache.layers
+           if type(layer) is not DummyLayer and _rows_class(kinds, layer) is None]
     odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
             if isinstance(layer, LinearAttentionLayer) and layer.record_past]
     odd += [f"{type(layer).__name__} (with indexer positions)" for layer in cache.layers

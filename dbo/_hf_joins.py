@@ -19,6 +19,7 @@ from transformers.cache_utils import (
 )
 
 from dbo._hf_layers import fill_indexer, fill_keys, refuse_indexer_positions
+from dbo._hf_models import join_rows, model_rows
 
 
 def joined(parts: list[Any]) -> Any:
@@ -36,12 +37,13 @@ def joined(parts: list[Any]) -> Any:
     cache.layers = []
     for layers in zip(*(part.layers for part in parts)):
         kind = type(layers[0])
-        if kind not in _JOINS or any(type(layer) is not kind for layer in layers):
+        join = _JOINS.get(kind) or (_joined_model_layer if model_rows(kind) else None)
+        if join is None or any(type(layer) is not kind for layer in layers):
             raise ValueError(
                 "the ubatches returned DynamicCaches with layers dbo cannot join "
                 f"({', '.join(type(layer).__name__ for layer in layers)}); pass use_cache=False"
             )
-        cache.layers.append(_JOINS[kind](list(layers)))
+        cache.layers.append(join(list(layers)))
     return cache
 
 
@@ -87,6 +89,13 @@ def _joined_indexed(parts: list[Any]) -> Any:
     layer = _joined_keys(parts)
     if all(part.is_indexer_initialized for part in parts):
         fill_indexer(layer, parts)
+    return layer
+
+
+def _joined_model_layer(parts: list[Any]) -> Any:
+    """One layer of a model's own class (`dbo._hf_models`) of the rows of `parts`."""
+    layer = copy.copy(parts[0])
+    join_rows(layer, parts)
     return layer
 
 

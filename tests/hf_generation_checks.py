@@ -26,6 +26,9 @@ MoE, an attention and an MLP layer; Falcon-H1's layers hold attention keys and M
 states both; DeepSeek-V3.2's sparse attention keeps indexer keys and attends to the
 `SPARSE_TOPK` tokens they select."""
 SPARSE_TOPK = 4
+DEEPSEEK_V4_RATES = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}
+"""DeepSeek-V4's layers compress every 2 or 4 tokens into one entry (a prompt and a few new
+tokens close several windows), attending to the `SPARSE_TOPK` entries the indexer picks."""
 WINDOW = 4
 SLIDING = ("gpt_oss", "mistral")
 
@@ -69,6 +72,16 @@ def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
             **{**dense, "num_key_value_heads": 4},
         )
         model = transformers.DeepseekV32ForCausalLM(config).eval()
+    elif kind == "deepseek_v4":  # windows, compressor buffers and compressed entries per row
+        config = transformers.DeepseekV4Config(
+            n_routed_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=32,
+            head_dim=16, qk_rope_head_dim=8, q_lora_rank=16, o_lora_rank=16, o_groups=2,
+            index_n_heads=2, index_head_dim=16, index_topk=SPARSE_TOPK, sliding_window=WINDOW,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe"], compress_rates=DEEPSEEK_V4_RATES,
+            **{**dense, "num_key_value_heads": 1},
+        )
+        model = transformers.DeepseekV4ForCausalLM(config).eval()
     elif kind == "gpt_oss":
         config = transformers.GptOssConfig(
             num_local_experts=num_experts, num_experts_per_tok=2, head_dim=8,

@@ -121,20 +121,26 @@ def _layer_state(layer: Any) -> dict[str, Any]:
     state = {name: getattr(layer, name) for name in (
         "keys", "values", "indexer_keys", "cumulative_length", "cumulative_length_int",
         "indexer_cumulative_length", "has_previous_state") if hasattr(layer, name)}
-    for name in ("conv_states", "recurrent_states"):
+    for name in ("conv_states", "recurrent_states", "buffer_kv", "buffer_gate", "compressed_kv",
+                 "overlap_kv", "overlap_gate", "entry_count"):  # the last five: DeepSeek-V4's
         state.update({f"{name}[{index}]": states
                       for index, states in getattr(layer, name, {}).items()})
     return state
 
 
-@pytest.mark.parametrize("kind", [*SLIDING, "mamba", "nemotron_h", "falcon_h1", "deepseek_v32"])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize(("kind", "cache"), [
+    *((kind, cache) for kind in (*SLIDING, "mamba", "nemotron_h", "falcon_h1", "deepseek_v32")
+      for cache in ("dynamic", "static")),
+    ("deepseek_v4", "dynamic"),  # its layers are its own, and no StaticCache has them
+])
 def test_every_kind_of_layer_holds_what_generate_without_dbo_leaves(
     kind: str, cache: str,
 ) -> None:
-    """Sliding windows (prompts shorter and longer than them), linear-attention states and
-    indexer keys end as transformers' own layers leave them: the same tensors (up to the
-    rounding of rows computed apart), lengths and flags."""
+    """Sliding windows (prompts shorter and longer than them), linear-attention states,
+    indexer keys and DeepSeek-V4's compressor buffers and entries end as transformers' own
+    layers leave them: the same tensors (up to the rounding of rows computed apart),
+    lengths, counts and flags. No layer class of dbo's is left in transformers' mapping of
+    layer types (making a layer class registers it there)."""
     model = tiny_model(kind)
     for length in (WINDOW - 2, WINDOW + 3):
         ids, mask = prompts(5, length, seed=length)
@@ -224,10 +230,11 @@ def test_a_cache_of_an_unsupported_kind_is_refused_naming_it() -> None:
 
 
 def _own_decode_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any,
-                     new_tokens: int, fail_at: int | None = None) -> torch.Tensor:
-    """A decode loop of one's own: `dbo.overlap` of a function that returns only the logits
-    (not the cache); at step `fail_at` ubatch 1 raises after its forward, and the step is
-    run again."""
+                     new_tokens: int, fail_at: int | None = None,
+                     overlapped: bool = True) -> torch.Tensor:
+    """A decode loop of one's own: `dbo.overlap` (unless not `overlapped`) of a function
+    that returns only the logits (not the cache); at step `fail_at` ubatch 1 raises after
+    its forward, and the step is run again."""
     calls = [0]
 
     def logits_of(tokens: torch.Tensor, attention_mask: torch.Tensor, cache: Any) -> Any:
@@ -236,7 +243,7 @@ def _own_decode_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: A
             raise KeyError("injected")
         return logits
 
-    step = dbo.overlap(logits_of, timeout_s=30)
+    step = dbo.overlap(logits_of, timeout_s=30) if overlapped else logits_of
     rows, length = ids.shape
     full = torch.cat([mask, torch.ones(rows, new_tokens, dtype=mask.dtype)], dim=1)
     out, tokens = [ids], ids
@@ -255,22 +262,30 @@ def _own_decode_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: A
 
 @pytest.mark.parametrize(
     ("kind", "cache_kind"), [("qwen3_moe", "dynamic"), ("qwen3_moe", "static"),
-                             ("mistral", "dynamic")]  # Mistral: sliding windows
+                             ("mistral", "dynamic"),  # Mistral: sliding windows
+                             ("deepseek_v4", "dynamic")]  # compressor states of its own
 )
 def test_an_own_decode_loop_that_returns_only_logits_keeps_the_cache_right(
     kind: str, cache_kind: str,
 ) -> None:
     """The cache is brought up to date as the ubatches return, whether or not the function
-    returns it; a call that raised leaves it as before, so the step can run again."""
+    returns it; a call that raised leaves it as before, so the step can run again. (The
+    loop passes no positions: DeepSeek-V4 then differs from generate, without dbo too.)"""
     transformers = pytest.importorskip("transformers")
     model = tiny_model(kind)
     ids, mask = prompts(5, 6, seed=4)
-    expected = generate(model, ids, mask, max_new_tokens=8, do_sample=False)
-    for fail_at in (None, 0, 3):
+
+    def new_cache() -> Any:
         if cache_kind == "static":
-            cache = transformers.StaticCache(config=model.config, max_cache_len=14)
-        else:
-            cache = transformers.DynamicCache(config=model.config)
+            return transformers.StaticCache(config=model.config, max_cache_len=14)
+        return transformers.DynamicCache(config=model.config)
+
+    expected = _own_decode_loop(model, ids, mask, new_cache(), 8, overlapped=False)
+    if kind != "deepseek_v4":
+        assert torch.equal(expected, generate(model, ids, mask, max_new_tokens=8,
+                                              do_sample=False))
+    for fail_at in (None, 0, 3):
+        cache = new_cache()
         got = _own_decode_loop(model, ids, mask, cache, 8, fail_at)
         assert torch.equal(got, expected), fail_at
         assert int(cache.get_seq_length()) == 6 + 8 - 1  # the last token is not fed back
@@ -437,12 +452,14 @@ def test_a_cache_a_replay_cannot_advance_is_refused_in_capture_graph_before_the_
     assert int(cache.get_seq_length()) == 6
 
 
-@pytest.mark.parametrize("kind", ["nemotron_h", "falcon_h1", "deepseek_v32", "gpt_oss"])
+@pytest.mark.parametrize(
+    "kind", ["nemotron_h", "falcon_h1", "deepseek_v32", "gpt_oss", "deepseek_v4"]
+)
 def test_caches_the_ubatches_make_of_every_kind_of_layer_are_joined_by_rows(kind: str) -> None:
     """A forward called without a cache: each ubatch makes its own (Nemotron-H: Mamba
     states, attention keys, layers holding nothing; Falcon-H1: both in one layer;
-    DeepSeek-V3.2: indexer keys; GPT-OSS: windows), joined into one of every row, as the
-    whole batch's forward makes it."""
+    DeepSeek-V3.2: indexer keys; GPT-OSS: windows; DeepSeek-V4: windows and compressor
+    states), joined into one of every row, as the whole batch's forward makes it."""
     model = tiny_model(kind)
     ids, mask = prompts(4, WINDOW + 2, seed=5)
     with torch.no_grad():
