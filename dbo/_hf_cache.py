@@ -24,9 +24,9 @@ Each ubatch's cache holds one view per layer (`dbo._hf_growing`, `dbo._hf_layers
 The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
-states): such a cache is refused afterwards. DeepSeek-V4's layers of its own are joined
-like windows (`dbo._hf_models`). Caches of other kinds, layers of other kinds (quantized,
-another model's own) and offloading are refused, named. Caches that the
+states): such a cache is refused afterwards. DeepSeek-V4's layers and MiniMax's cache
+class, their own, are split too (`dbo._hf_models`). Caches of other kinds, layers of other
+kinds (quantized, another model's own) and offloading are refused, named. Caches that the
 ubatches create themselves (a forward called without one, `use_cache=True`) are joined
 once along the batch. This module imports `transformers`: `dbo` imports it only once
 `transformers` is (a cache is met, or `dbo.hf` is used).
@@ -35,6 +35,7 @@ once along the batch. This module imports `transformers`: `dbo` imports it only 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 from transformers.cache_utils import (
@@ -59,7 +60,7 @@ from dbo import stateful
 from dbo._hf_growing import Growing, GrowingRows, NewLayer, growing_state
 from dbo._hf_joins import joined
 from dbo._hf_layers import IndexedRows, StaticIndexedRows, StaticRows, StaticWindowRows, WindowRows
-from dbo._hf_models import model_rows
+from dbo._hf_models import cache_state, join_cache_state, model_rows, split_cache_state
 from dbo._hf_states import (
     HybridRows,
     SlidingHybridRows,
@@ -107,7 +108,7 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     starts = [sum(rows[:i]) for i in range(len(rows))]
     bounds = [(start, start + count) for start, count in zip(starts, rows)]
     call = _Call(cache, len(rows))
-    kinds = ROWS[type(cache)]
+    kinds = _kinds(cache)
     if isinstance(cache, DynamicCache):
         call.growing = growing_state(cache, batch_size, len(rows))
     shared = call.growing.layers if call.growing is not None else [None] * len(cache.layers)
@@ -119,6 +120,9 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
         ])
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
             child.layer_class_to_replicate = NewLayer(call, child, ubatch, start, stop)
+        if cache_state(cache) is not None:
+            split_cache_state(child, cache, slice(start, stop), batch_size,
+                              functools.partial(call.enter, ubatch))
         call.children.append(child)
     return call.children
 
@@ -189,7 +193,17 @@ class _Call:
             end_call = getattr(type(parts[0]), "end_call", None)  # none: a DummyLayer
             if end_call is not None:
                 end_call(layer, parts)
+        if cache_state(whole) is not None:
+            join_cache_state(whole, self.children)
         whole._dbo_overwritten = False  # the call ended: windows and states are right
+
+
+def _kinds(cache: Any) -> dict[Any, Any]:
+    """`ROWS` of `cache`'s class; a model's own DynamicCache class (`dbo._hf_models`) has
+    a DynamicCache's ({} for any other class)."""
+    if type(cache) in ROWS:
+        return ROWS[type(cache)]
+    return ROWS[DynamicCache] if cache_state(cache) is not None else {}
 
 
 def _rows_class(kinds: dict[Any, Any], layer: Any) -> Any:
@@ -201,7 +215,7 @@ def _rows_class(kinds: dict[Any, Any], layer: Any) -> Any:
 
 
 def _check_supported(cache: Any) -> None:
-    kinds = ROWS.get(type(cache), {})
+    kinds = _kinds(cache)
     odd = [type(layer).__name__ for layer in cache.layers
            if type(layer) is not DummyLayer and _rows_class(kinds, layer) is None]
     odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
@@ -209,7 +223,7 @@ def _check_supported(cache: Any) -> None:
     odd += [f"{type(layer).__name__} (with indexer positions)" for layer in cache.layers
             if getattr(layer, "indexer_position_ids", None) is not None]
     lazy = cache.layer_class_to_replicate
-    if type(cache) not in ROWS or odd or getattr(cache, "offloading", False) or (
+    if not kinds or odd or getattr(cache, "offloading", False) or (
         lazy not in (None, DynamicLayer)
     ):
         what = f"a {type(cache).__name__}"

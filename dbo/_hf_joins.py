@@ -19,14 +19,15 @@ from transformers.cache_utils import (
 )
 
 from dbo._hf_layers import fill_indexer, fill_keys, refuse_indexer_positions
-from dbo._hf_models import join_rows, model_rows
+from dbo._hf_models import cache_state, join_cache_state, join_rows, model_rows
 
 
 def joined(parts: list[Any]) -> Any:
     """Dynamic caches the ubatches made themselves, one cache of every row (one copy)."""
-    if not all(type(part) is DynamicCache for part in parts) or len(
-        {len(part.layers) for part in parts}
-    ) != 1:
+    cache_kind = type(parts[0])
+    if (cache_kind is not DynamicCache and cache_state(parts[0]) is None) or any(
+        type(part) is not cache_kind or len(part.layers) != len(parts[0].layers) for part in parts
+    ):
         raise ValueError(
             "the ubatches returned transformers caches that are not their parts of one cache "
             f"passed in ({', '.join(type(part).__name__ for part in parts)}), and only "
@@ -44,6 +45,8 @@ def joined(parts: list[Any]) -> Any:
                 f"({', '.join(type(layer).__name__ for layer in layers)}); pass use_cache=False"
             )
         cache.layers.append(join(list(layers)))
+    if cache_state(cache) is not None:
+        join_cache_state(cache, parts)
     return cache
 
 

@@ -189,13 +189,13 @@ class WindowRows(DynamicSlidingWindowLayer):
 def join_windows(whole: Any, parts: list[WindowRows]) -> int:
     """The caller's sliding-window layer after a call: the ubatches' windows, joined if
     they wrote into it; the bytes written."""
-    if not _all_wrote(parts, "updated", "a sliding window"):
+    if not all_wrote(parts, "updated", "a sliding window"):
         return 0
     fill_keys(whole, parts)
     return int(whole.keys.nbytes + whole.values.nbytes)
 
 
-def _all_wrote(parts: list[Any], flag: str, what: str) -> bool:
+def all_wrote(parts: list[Any], flag: str, what: str) -> bool:
     """Whether the ubatches wrote `what` (their `flag`, which this clears): all or none."""
     wrote = [getattr(part, flag) for part in parts]
     if any(wrote) and not all(wrote):
@@ -327,7 +327,7 @@ def join_indexers(whole: Any, parts: list[IndexedRows]) -> int:
     """The caller's indexer keys after a call: the ubatches', joined if they wrote them;
     the bytes written. Indexer positions set on the layer are refused."""
     refuse_indexer_positions(parts)
-    if not _all_wrote(parts, "updated_indexer", "indexer keys"):
+    if not all_wrote(parts, "updated_indexer", "indexer keys"):
         return 0
     fill_indexer(whole, parts)
     return int(whole.indexer_keys.nbytes)

@@ -1,9 +1,14 @@
-"""Each ubatch's rows of the DynamicCache layers a model defines itself (DeepSeek-V4's
-compressed attention: a sliding window, plus compressor buffers and compressed entries
-kept per row): the layer's own methods run on the ubatch's rows of every per-row tensor
-it keeps, making new tensors and leaving the caller's layer untouched; the call's end
-joins the ubatches' tensors into the caller's layer (one copy of each), as `WindowRows`
-does for a plain sliding window. Found by class name, so `dbo` imports no model.
+"""Each ubatch's rows of what a model keeps in a DynamicCache of its own making, found by
+class name (so `dbo` imports no model):
+
+- Layers of its own (DeepSeek-V4's compressed attention: a sliding window, plus
+  compressor buffers and compressed entries kept per row): the layer's own methods run
+  on the ubatch's rows of every per-row tensor it keeps, making new tensors and leaving
+  the caller's layer untouched; the call's end joins the ubatches' tensors into the
+  caller's layer (one copy of each), as `WindowRows` does for a plain sliding window.
+- A cache class of its own (MiniMax's: a list of per-row linear-attention states, one per
+  layer, beside DynamicLayers): each ubatch's cache holds a list of its rows, which the
+  model's setter replaces entry by entry; the call's end joins the lists.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 import torch
 
 from dbo._hf_growing import check_rows
-from dbo._hf_layers import _all_wrote
+from dbo._hf_layers import all_wrote
 from dbo.api import run_state
 
 _DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
@@ -26,6 +31,13 @@ MODEL_LAYERS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 """Per layer class (module, name): the attributes holding per-row tensors (`[B, ...]`, or
 dicts of them), and the counters every ubatch must end a call with the same value of."""
+
+_MINIMAX = "transformers.models.minimax.modeling_minimax"
+CACHE_STATES: dict[tuple[str, str], tuple[str, str]] = {
+    (_MINIMAX, "MiniMaxCache"): ("linear_cache", "set_linear_cache"),
+}
+"""Per DynamicCache subclass (module, name): the attribute holding a list of per-row
+tensors (`[]` for a layer without one) and the method the model sets an entry with."""
 
 _made: dict[type, type] = {}
 _OWN = frozenset({"whole", "rows", "whole_batch", "shared", "call", "ubatch", "run", "updated"})
@@ -91,7 +103,7 @@ class ModelRows:
     @staticmethod
     def end_call(whole: Any, parts: list[Any]) -> None:
         """After a call: the ubatches' per-row tensors joined into the caller's layer."""
-        if _all_wrote(parts, "updated", f"a {type(whole).__name__}"):
+        if all_wrote(parts, "updated", f"a {type(whole).__name__}"):
             parts[0].shared.bytes_written += join_rows(whole, parts)
 
 
@@ -119,9 +131,50 @@ def _joined(values: list[Any], joined: dict[tuple[int, ...], Any]) -> Any:
     """The ubatches' `values` of one state as one of every row (cat along the batch)."""
     if isinstance(values[0], dict):
         return {key: _joined([value[key] for value in values], joined) for key in values[0]}
-    if not (isinstance(values[0], torch.Tensor) and values[0].ndim >= 2):
+    if not any(isinstance(value, torch.Tensor) and value.ndim >= 2 for value in values):
         return values[0]  # None, or an empty tensor made before any token
     key = tuple(id(value) for value in values)
     if key not in joined:
         joined[key] = torch.cat(values)
     return joined[key]
+
+
+def cache_state(cache: Any) -> str | None:
+    """The name of the list of per-row states `cache`'s class keeps, if a known one."""
+    known = CACHE_STATES.get(_name(type(cache)))
+    return None if known is None else known[0]
+
+
+def split_cache_state(child: Any, whole: Any, rows: slice, batch_size: int, enter: Any) -> None:
+    """`child` (a copy of `whole`) holds its own list of `rows` of `whole`'s states, and
+    the model's setter first calls `enter()` (the ubatch's first write enters the call)."""
+    name, setter = CACHE_STATES[_name(type(whole))]
+    for state in getattr(whole, name):
+        if isinstance(state, torch.Tensor):
+            check_rows(type(whole).__name__, state.shape[0], batch_size)
+    setattr(child, name, [state[rows] if isinstance(state, torch.Tensor) else state
+                          for state in getattr(whole, name)])
+    if type(whole) not in _made:
+        def set_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._dbo_enter()
+            return getattr(super(made, self), setter)(*args, **kwargs)
+
+        made = _made[type(whole)] = type(f"{type(whole).__name__}Rows", (type(whole),),
+                                          {setter: set_state})
+    child.__class__ = _made[type(whole)]
+    child._dbo_enter = enter
+
+
+def join_cache_state(whole: Any, parts: list[Any]) -> None:
+    """`whole` (a cache of a `CACHE_STATES` class) holds the rows of `parts`' states."""
+    name = CACHE_STATES[_name(type(whole))][0]
+    lists = [getattr(part, name) for part in parts]
+    if len({len(states) for states in lists}) != 1:
+        raise RuntimeError(
+            f"the ubatches' {type(whole).__name__}s hold states of different numbers of layers "
+            f"({[len(states) for states in lists]}); each must run the same forward on its rows"
+        )
+    setattr(whole, name, [  # torch.cat raises if some ubatches set a state and some not
+        torch.cat(states) if any(isinstance(state, torch.Tensor) for state in states)
+        else states[0] for states in zip(*lists)
+    ])

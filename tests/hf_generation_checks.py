@@ -82,6 +82,13 @@ def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
             **{**dense, "num_key_value_heads": 1},
         )
         model = transformers.DeepseekV4ForCausalLM(config).eval()
+    elif kind in ("minimax", "minimax_linear"):  # states in a cache class of its own
+        config = transformers.MiniMaxConfig(
+            num_local_experts=num_experts, num_experts_per_tok=2, head_dim=8, block_size=4,
+            layer_types=["linear_attention", "full_attention" if kind == "minimax" else
+                         "linear_attention"], **dense,
+        )
+        model = transformers.MiniMaxForCausalLM(config).eval()
     elif kind == "gpt_oss":
         config = transformers.GptOssConfig(
             num_local_experts=num_experts, num_experts_per_tok=2, head_dim=8,

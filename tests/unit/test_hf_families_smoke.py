@@ -1,7 +1,7 @@
-"""`benchmarks/hf_families.py` tells families that generate the same tokens under DBO
-(Gemma 2's sliding windows, Inkling's windows beside Mamba-like states in one layer) from
-one dbo refuses (MiniMax's cache class of its own), with either cache kind, its
---json too."""
+"""`benchmarks/hf_families.py` runs families that generate the same tokens under DBO
+(Gemma 2's sliding windows, Inkling's windows beside Mamba-like states in one layer,
+MiniMax's cache class of its own), with either cache kind, and reports them in its
+--json."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_families.py"
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_the_families_survey_reports_equal_and_refused_families(cache: str) -> None:
+def test_the_families_survey_reports_the_families_it_runs(cache: str) -> None:
     completed = subprocess.run(
         [sys.executable, str(SCRIPT), "--only", "qwen2_moe,gemma2,inkling_text,minimax",
          "--cache", cache, "--json"],
@@ -27,8 +27,6 @@ def test_the_families_survey_reports_equal_and_refused_families(cache: str) -> N
     assert completed.returncode == 0, completed.stdout + completed.stderr
     result = json.loads(completed.stdout.splitlines()[-1])
     families = result["families"]
-    for kind in ("qwen2_moe", "gemma2", "inkling_text"):
+    for kind in ("qwen2_moe", "gemma2", "inkling_text", "minimax"):
         assert families[kind] == {"outcome": "equal"}, families
-    assert families["minimax"]["outcome"] == "refused", families  # a cache class of its own
-    assert "MiniMaxCache" in families["minimax"]["why"], families
-    assert result["counts"] == {"equal": 3, "refused": 1}
+    assert result["counts"] == {"equal": 4}

@@ -128,19 +128,32 @@ def _layer_state(layer: Any) -> dict[str, Any]:
     return state
 
 
+def _assert_same_cache_states(mine: Any, theirs: Any) -> None:
+    """The per-row states a cache class of a model's own keeps (MiniMax's list)."""
+    states = getattr(theirs, "linear_cache", [])
+    assert len(getattr(mine, "linear_cache", [])) == len(states)
+    for got, expected in zip(getattr(mine, "linear_cache", []), states):
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(got, expected)
+        else:
+            assert got == expected
+
+
 @pytest.mark.parametrize(("kind", "cache"), [
     *((kind, cache) for kind in (*SLIDING, "mamba", "nemotron_h", "falcon_h1", "deepseek_v32")
       for cache in ("dynamic", "static")),
     ("deepseek_v4", "dynamic"),  # its layers are its own, and no StaticCache has them
+    ("minimax", "dynamic"),  # its cache class is its own: linear-attention states in a list
+    ("minimax_linear", "dynamic"),  # no layer but those states
 ])
 def test_every_kind_of_layer_holds_what_generate_without_dbo_leaves(
     kind: str, cache: str,
 ) -> None:
     """Sliding windows (prompts shorter and longer than them), linear-attention states,
-    indexer keys and DeepSeek-V4's compressor buffers and entries end as transformers' own
-    layers leave them: the same tensors (up to the rounding of rows computed apart),
-    lengths, counts and flags. No layer class of dbo's is left in transformers' mapping of
-    layer types (making a layer class registers it there)."""
+    indexer keys, DeepSeek-V4's compressor buffers and entries and MiniMax's states end as
+    transformers' own layers leave them: the same tensors (up to the rounding of rows
+    computed apart), lengths, counts and flags. No layer class of dbo's is left in
+    transformers' mapping of layer types (making a layer class registers it there)."""
     model = tiny_model(kind)
     for length in (WINDOW - 2, WINDOW + 3):
         ids, mask = prompts(5, length, seed=length)
@@ -153,6 +166,8 @@ def test_every_kind_of_layer_holds_what_generate_without_dbo_leaves(
                           for layer in got.cache.layers if layer.is_sliding)
             # The last call alone: the layer's own torch.cat (window + 1), the joined window.
             assert dbo.hf.cache_bytes_written(got.cache) >= 2 * windows
+        assert type(got.cache) is type(expected.cache)
+        _assert_same_cache_states(got.cache, expected.cache)
         for mine, theirs in zip(got.cache.layers, expected.cache.layers):
             assert type(mine) is type(theirs)
             mine, theirs = _layer_state(mine), _layer_state(theirs)
@@ -263,7 +278,8 @@ def _own_decode_loop(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: A
 @pytest.mark.parametrize(
     ("kind", "cache_kind"), [("qwen3_moe", "dynamic"), ("qwen3_moe", "static"),
                              ("mistral", "dynamic"),  # Mistral: sliding windows
-                             ("deepseek_v4", "dynamic")]  # compressor states of its own
+                             ("deepseek_v4", "dynamic"),  # compressor states of its own
+                             ("minimax", "dynamic")]  # a cache class of its own
 )
 def test_an_own_decode_loop_that_returns_only_logits_keeps_the_cache_right(
     kind: str, cache_kind: str,
@@ -278,17 +294,23 @@ def test_an_own_decode_loop_that_returns_only_logits_keeps_the_cache_right(
     def new_cache() -> Any:
         if cache_kind == "static":
             return transformers.StaticCache(config=model.config, max_cache_len=14)
+        if kind == "minimax":
+            return transformers.models.minimax.modeling_minimax.MiniMaxCache()
         return transformers.DynamicCache(config=model.config)
 
-    expected = _own_decode_loop(model, ids, mask, new_cache(), 8, overlapped=False)
+    reference = new_cache()
+    expected = _own_decode_loop(model, ids, mask, reference, 8, overlapped=False)
     if kind != "deepseek_v4":
         assert torch.equal(expected, generate(model, ids, mask, max_new_tokens=8,
                                               do_sample=False))
+    if kind != "minimax":  # its first layer keeps no keys: its length reads 0
+        assert int(reference.get_seq_length()) == 6 + 8 - 1  # the last token is not fed back
     for fail_at in (None, 0, 3):
         cache = new_cache()
         got = _own_decode_loop(model, ids, mask, cache, 8, fail_at)
         assert torch.equal(got, expected), fail_at
-        assert int(cache.get_seq_length()) == 6 + 8 - 1  # the last token is not fed back
+        assert int(cache.get_seq_length()) == int(reference.get_seq_length())
+        _assert_same_cache_states(cache, reference)
 
 
 @pytest.mark.timeout(120)
@@ -453,19 +475,22 @@ def test_a_cache_a_replay_cannot_advance_is_refused_in_capture_graph_before_the_
 
 
 @pytest.mark.parametrize(
-    "kind", ["nemotron_h", "falcon_h1", "deepseek_v32", "gpt_oss", "deepseek_v4"]
+    "kind", ["nemotron_h", "falcon_h1", "deepseek_v32", "gpt_oss", "deepseek_v4", "minimax"]
 )
 def test_caches_the_ubatches_make_of_every_kind_of_layer_are_joined_by_rows(kind: str) -> None:
     """A forward called without a cache: each ubatch makes its own (Nemotron-H: Mamba
     states, attention keys, layers holding nothing; Falcon-H1: both in one layer;
     DeepSeek-V3.2: indexer keys; GPT-OSS: windows; DeepSeek-V4: windows and compressor
-    states), joined into one of every row, as the whole batch's forward makes it."""
+    states; MiniMax: states in a cache class of its own), joined into one of every row, as
+    the whole batch's forward makes it."""
     model = tiny_model(kind)
     ids, mask = prompts(4, WINDOW + 2, seed=5)
     with torch.no_grad():
         whole = model(ids, attention_mask=mask, use_cache=True).cache
         joined = dbo.overlap(model, timeout_s=30)(ids, attention_mask=mask, use_cache=True).cache
     assert [type(layer) for layer in joined.layers] == [type(layer) for layer in whole.layers]
+    assert type(joined) is type(whole)
+    _assert_same_cache_states(joined, whole)
     for mine, theirs in zip(joined.layers, whole.layers):
         mine, theirs = _layer_state(mine), _layer_state(theirs)
         assert mine.keys() == theirs.keys(), kind
