@@ -103,10 +103,10 @@ def overlap_generation(
     `dbo.overlap`'s) and a split for the arguments `generate` passes: tensors with a row
     per sequence (`input_ids`, `attention_mask` or its dict of masks, `position_ids` of
     B rows) split along dim 0, the KV cache by its rows (a `DynamicCache` or
-    `StaticCache` of full-attention and sliding-window layers; others raise naming
-    them), `cache_position`, `logits_to_keep` and a `position_ids` of one row whole. A
-    call overlaps when its batch has at least `num_ubatches` rows and enough tokens:
-    `min_decode_tokens` for a call of one token per row (a decode step),
+    `StaticCache` of transformers' layer kinds, DeepSeek-V4's and MiniMax's own; others
+    raise naming them), `cache_position`, `logits_to_keep` and a `position_ids` of one
+    row whole. A call overlaps when its batch has at least `num_ubatches` rows and enough
+    tokens: `min_decode_tokens` for a call of one token per row (a decode step),
     `min_prefill_tokens` (rows x length) otherwise; with `decision_group`, every rank
     takes the same path each step (needed with `comm.moe.shard_experts`, together with
     `generate(..., synced_gpus=True)` so that ranks whose rows all stopped keep stepping).
