@@ -40,7 +40,6 @@ CACHE_STATES: dict[tuple[str, str], tuple[str, str]] = {
 tensors (`[]` for a layer without one) and the method the model sets an entry with."""
 
 _made: dict[type, type] = {}
-_OWN = frozenset({"whole", "rows", "whole_batch", "shared", "call", "ubatch", "run", "updated"})
 
 
 def model_rows(layer_class: type) -> type | None:
@@ -62,8 +61,10 @@ def _name(layer_class: type) -> tuple[str, str]:
 class ModelRows:
     """Rows [start, stop) of a whole layer of a model's own class (the class this is mixed
     into, listed in `MODEL_LAYERS`), from the caller's layer as it is at each run's first
-    write (`capture_graph` runs the same parts more than once)."""
+    write (`capture_graph` runs the same parts more than once). Its own attributes are
+    slots, so that the layer's `__dict__` holds the model's state alone (what a join copies)."""
 
+    __slots__ = ("whole", "rows", "whole_batch", "shared", "call", "ubatch", "run", "updated")
     STATES: tuple[str, ...] = ()
 
     def __init__(
@@ -119,11 +120,10 @@ def join_rows(whole: Any, parts: list[Any]) -> int:
                 f"{type(whole).__name__} ({values}); each must run the same forward on its rows"
             )
     joined: dict[tuple[int, ...], Any] = {}  # a tensor two states hold is joined once
-    for name, value in vars(parts[0]).items():
+    for name, value in vars(parts[0]).items():  # the model's state (dbo's is in slots)
         if name in states:
             value = _joined([vars(part)[name] for part in parts], joined)
-        if name not in _OWN:  # a dict of counters stays this ubatch's
-            setattr(whole, name, dict(value) if isinstance(value, dict) else value)
+        setattr(whole, name, dict(value) if isinstance(value, dict) else value)  # own dicts
     return sum(tensor.nbytes for tensor in joined.values())
 
 

@@ -170,6 +170,7 @@ def test_every_kind_of_layer_holds_what_generate_without_dbo_leaves(
         _assert_same_cache_states(got.cache, expected.cache)
         for mine, theirs in zip(got.cache.layers, expected.cache.layers):
             assert type(mine) is type(theirs)
+            assert vars(mine).keys() == vars(theirs).keys()  # nothing of dbo's left on it
             mine, theirs = _layer_state(mine), _layer_state(theirs)
             assert mine.keys() == theirs.keys() and mine, (kind, cache)
             for name, value in theirs.items():
