@@ -6,10 +6,11 @@
 
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, or 8 if it needs them, hidden 32, 4 experts top-2 where it has
-experts) and `generate` runs greedy (a DynamicCache, or a StaticCache with `--cache
-static`), 5 new tokens for 4 left-padded prompts, with and without
-`dbo.hf.overlap_generation` (every call split); and `dbo.overlap(model)` runs one
-forward, no cache passed in, against the two halves in turn. A family's outcome:
+experts; the hybrids in FAMILIES get layer lists with an attention layer) and `generate`
+runs greedy (a DynamicCache, or a StaticCache with `--cache static`), 5 new tokens for 4
+left-padded prompts, with and without `dbo.hf.overlap_generation` (every call split); and
+`dbo.overlap(model)` runs one forward, no cache passed in, against the two halves in turn.
+A family's outcome:
 
   equal        the same tokens, and the overlapped forward bitwise the halves'
   WRONG        different tokens or logits: a silent wrong result, the bug to fix first
@@ -51,6 +52,26 @@ ATTEMPTS = [dict(num_key_value_heads=2), dict(num_key_value_heads=4),
 wants as many kv heads as heads; hybrids need enough layers for an attention layer."""
 
 
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=8)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "bamba": dict(attn_layer_indices=[1], **_MAMBA),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], **_MAMBA),
+    "kimi_linear": dict(layer_types=["linear_attention", "full_attention"],
+                        mlp_layer_types=["dense", "sparse"], linear_head_dim=8,
+                        linear_num_heads=4, qk_head_dim=16),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "mamba2": dict(num_heads=8, head_dim=8, n_groups=1, state_size=16, chunk_size=8),
+    "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2,
+                  attention_head_dim=16, attention_hidden_size=64, mamba_dt_rank=4,
+                  n_mamba_heads=2, mamba_d_state=8),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], hybrid_layer_ids=[1],
+                   attention_head_dim=16, attention_hidden_size=64, mamba_headdim=8,
+                   n_mamba_heads=8, mamba_d_state=16, chunk_size=8),
+}
+"""Hybrids whose layer-type lists and mamba shapes do not follow from SMALL: each gets an
+attention layer among its 2 (Zamba: 4) layers and mamba heads that fit hidden 32."""
+
+
 def build(kind: str, overrides: dict[str, int]) -> Any:
     import torch
     import transformers
@@ -58,7 +79,7 @@ def build(kind: str, overrides: dict[str, int]) -> Any:
 
     config = transformers.AutoConfig.for_model(kind)
     for target in (config, getattr(config, "text_config", None)):
-        for name, value in {**SMALL, **overrides}.items():
+        for name, value in {**SMALL, **overrides, **FAMILIES.get(kind, {})}.items():
             if target is not None and hasattr(target, name):
                 setattr(target, name, value)
     torch.manual_seed(0)
