@@ -42,21 +42,23 @@ def _check_generation_matches(kinds: list[str], new_tokens: int) -> list[str]:
         record = functools.partial(_record, ubatches_in_decode)
         model.model.layers[0].register_forward_pre_hook(record)
         ids, mask = prompts(3 + rank, 5 + rank % 2, seed=10 + rank)  # each rank its own batch
-        for cache in ("dynamic",) if kind == "deepseek_v4" else ("dynamic", "static"):
-            options = dict(max_new_tokens=new_tokens, synced_gpus=True, cache_implementation=cache)
-            for sample in (False, True):
-                eos = eos_that_stops_row_zero(model, ids, mask, do_sample=sample, **options)
-                options_eos = dict(options, do_sample=sample, eos_token_id=eos)
-                expected = generate(model, ids, mask, **options_eos)
-                with dbo.hf.overlap_generation(
-                    model, min_prefill_tokens=0, min_decode_tokens=0, decision_group=group,
-                    timeout_s=30,
-                ):
-                    got = generate(model, ids, mask, **options_eos)
-                assert torch.equal(got, expected), (rank, kind, cache, sample)
-                assert ubatches_in_decode == {0, 1}, ubatches_in_decode
-                ubatches_in_decode.clear()
-                checked.append(f"{kind}/{cache}/{'sample' if sample else 'greedy'}")
+        # greedy with one cache kind, sampling with the other (the one-process tests run
+        # every pairing); DeepSeek-V4 has no StaticCache
+        static = "dynamic" if kind == "deepseek_v4" else "static"
+        for cache, sample in (("dynamic", False), (static, True)):
+            options = dict(max_new_tokens=new_tokens, synced_gpus=True, cache_implementation=cache,
+                           do_sample=sample)
+            eos = eos_that_stops_row_zero(model, ids, mask, **options)
+            expected = generate(model, ids, mask, eos_token_id=eos, **options)
+            with dbo.hf.overlap_generation(
+                model, min_prefill_tokens=0, min_decode_tokens=0, decision_group=group,
+                timeout_s=30,
+            ):
+                got = generate(model, ids, mask, eos_token_id=eos, **options)
+            assert torch.equal(got, expected), (rank, kind, cache, sample)
+            assert ubatches_in_decode == {0, 1}, ubatches_in_decode
+            ubatches_in_decode.clear()
+            checked.append(f"{kind}/{cache}/{'sample' if sample else 'greedy'}")
     comm.destroy_distributed()
     return checked
 
@@ -68,15 +70,15 @@ def test_generation_over_two_ranks_is_token_identical_for_seven_moe_families() -
     kinds = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "nemotron_h", "deepseek_v32",
              "deepseek_v4"]
     results = expect_ok(run_world(_check_generation_matches, world_size=2,
-                                  args=(kinds, 32), timeout_s=270))
-    assert all(len(checked) == 26 for checked in results)
+                                  args=(kinds, 16), timeout_s=270))
+    assert all(len(checked) == 14 for checked in results)
 
 
 @pytest.mark.timeout(300)
 def test_generation_over_four_ranks_is_token_identical() -> None:
     results = expect_ok(run_world(_check_generation_matches, world_size=4,
                                   args=(["qwen3_moe"], 16), timeout_s=270))
-    assert all(len(checked) == 4 for checked in results)
+    assert all(len(checked) == 2 for checked in results)
 
 
 @pytest.mark.timeout(240)
