@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/hf_families.py                   # every family: ~1 hour
     .venv/bin/python benchmarks/hf_families.py --only mixtral,gemma2 --json
     .venv/bin/python benchmarks/hf_families.py --cache static   # a StaticCache instead
+    .venv/bin/python benchmarks/hf_families.py --shard   # the MoE families, sharded: ~30 min
 
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, or 8 if it needs them, hidden 32, 4 experts top-2 where it has
@@ -18,14 +19,21 @@ A family's outcome:
   FAILED       another error under dbo only: a bug
   no model     the tiny config does not build or generate without dbo: not dbo's case
 
-Each family runs in its own process, with a timeout (some build slowly). The exit status
-is 1 if any family is WRONG or FAILED.
+`--shard` checks `comm.moe.shard_experts` instead, on the families whose config names
+experts: in a world of 2 gloo ranks (torchrun), each with a batch of its own, the sharded
+model's logits, plain and under `dbo.overlap`, against the unsharded model's (allclose:
+the experts' sums run in another order). "refused": shard_experts refused it, naming why;
+"no experts": the tiny model has no experts module (its MoE layers start deeper).
+
+Each family runs in its own process (or world), with a timeout (some build slowly). The
+exit status is 1 if any family is WRONG or FAILED.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -124,6 +132,58 @@ def check(kind: str, cache: str) -> dict[str, Any]:
     return {"outcome": "equal" if same else "WRONG"}
 
 
+def check_sharded(kind: str) -> dict[str, Any]:
+    """One family's outcome with its experts sharded over the ranks of this torchrun world."""
+    import torch
+
+    import comm
+    import dbo
+
+    rank = comm.init_distributed(timeout_s=60)[0]
+    ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7 + rank))
+    for overrides in ATTEMPTS:
+        try:
+            model = build(kind, overrides)
+            with torch.no_grad():
+                expected = model(ids).logits
+            break
+        except Exception as error:  # noqa: BLE001 - the tiny config is not a model
+            failure = {"outcome": "no model", "why": f"{type(error).__name__}: {error}"[:200]}
+    else:
+        return failure
+    if not any(name.endswith("experts") for name, _ in model.named_modules()):
+        return {"outcome": "no experts"}
+    try:
+        comm.moe.shard_experts(model)
+    except ValueError as error:
+        return {"outcome": "refused", "why": str(error)[:200]}
+    try:
+        with torch.no_grad():
+            got = [model(ids).logits, dbo.overlap(model, timeout_s=60)(ids).logits]
+    except Exception as error:  # noqa: BLE001 - what works unsharded must work sharded
+        return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+    comm.destroy_distributed()
+    same = all(torch.allclose(logits, expected, rtol=1e-4, atol=1e-5) for logits in got)
+    return {"outcome": "equal" if same else "WRONG"}
+
+
+def _names_experts(kind: str) -> bool:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(kind)
+    text = getattr(config, "text_config", None)
+    names = set(config.to_dict()) | (set(text.to_dict()) if text is not None else set())
+    return any("expert" in name for name in names)
+
+
+def _command(kind: str, args: argparse.Namespace) -> list[str]:
+    """The process (or torchrun world of 2 ranks) that checks one family."""
+    if args.shard:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", __file__, "--one", kind, "--shard"]
+    return [sys.executable, __file__, "--one", kind, "--cache", args.cache]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="comma-separated model types (default: every one)")
@@ -131,21 +191,27 @@ def main() -> None:
                         help="the KV cache generate makes (default dynamic)")
     parser.add_argument("--timeout-s", type=float, default=240.0)
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
+    parser.add_argument("--shard", action="store_true",
+                        help="check comm.moe.shard_experts on the MoE families instead")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-family process
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(check(args.one, args.cache)))
+        result = check_sharded(args.one) if args.shard else check(args.one, args.cache)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(result))
         return
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     kinds = args.only.split(",") if args.only else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if args.shard and not args.only:
+        kinds = [kind for kind in kinds if _names_experts(kind)]
     results: dict[str, dict[str, Any]] = {}
     for kind in kinds:
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--one", kind, "--cache", args.cache],
-                capture_output=True, text=True,
+                _command(kind, args), capture_output=True, text=True,
                 timeout=args.timeout_s, cwd=ROOT,
+                env=dict(os.environ, CUDA_VISIBLE_DEVICES="") if args.shard else None,
             )
             last = (done.stdout.strip().splitlines() or [""])[-1]
             results[kind] = (json.loads(last) if last.startswith("{") else None) or {

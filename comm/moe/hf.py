@@ -23,13 +23,14 @@ def shard_experts(
 
     A block (`transformers` >= 5: Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS, ...) is a module
     with an `experts` child whose own parameters are stacked `[num_experts, ...]` and a
-    router child whose `weight` is `[num_experts, hidden]`. Rank r of `group` (None: the
-    default group) keeps experts `[r * E_local, (r + 1) * E_local)`. The block's forward
-    runs as before (router, shared experts); its experts module dispatches the rows, runs
-    the model's own expert computation with unit weights (`combine` applies the routing
-    weights) and combines. Every rank then runs the same forward calls (collectives);
-    the output equals the unsharded model's (allclose), gradients too. Shard after
-    loading a checkpoint, before building an optimizer.
+    router weight `[num_experts, hidden]` outside it (a child's, or deeper as HunYuan's and
+    AfMoE's). Rank r of `group` (None: the default group) keeps experts
+    `[r * E_local, (r + 1) * E_local)`. The block's forward runs as before (router, shared
+    experts); its experts module dispatches the rows, runs the model's own expert
+    computation with unit weights (`combine` applies the routing weights) and combines.
+    Every rank then runs the same forward calls (collectives); the output equals the
+    unsharded model's (allclose), gradients too. Shard after loading a checkpoint, before
+    building an optimizer.
 
     `capacity` switches to the fixed-shape path (`dispatch_fixed`, `check_ids=False`: the
     router's ids are in range) with that many rows per (rank, expert), the same on every
@@ -48,7 +49,7 @@ def shard_experts(
         raise ValueError(
             f"shard_experts found no sparse MoE block in {type(model).__name__}: a module "
             "with an `experts` child holding stacked [num_experts, ...] parameters and a "
-            "router child with a [num_experts, hidden] weight, not sharded already"
+            "router weight [num_experts, hidden] outside it, not sharded already"
         )
     for name, block in blocks:
         if _num_experts(block) % base.size() != 0:
@@ -83,11 +84,12 @@ def _num_experts(module: torch.nn.Module) -> int:
     if len(counts) != 1 or 0 in counts:
         return 0
     (num_experts,) = counts
-    weights = [getattr(child, "weight", None) for name, child in module.named_children()
-               if name != "experts"]
-    routers = [isinstance(w, torch.Tensor) and w.shape[:1] == (num_experts,) and w.ndim == 2
-               for w in weights]
-    return num_experts if any(routers) else 0
+    # a router's [num_experts, hidden] weight, as a child's or deeper (AfMoE's router.gate,
+    # HunYuan's gate.wg)
+    routed = any(name.endswith("weight") and not name.startswith("experts.")
+                 and weight.ndim == 2 and weight.shape[0] == num_experts
+                 for name, weight in module.named_parameters())
+    return num_experts if routed else 0
 
 
 class _Routing:

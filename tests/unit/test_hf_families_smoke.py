@@ -2,7 +2,7 @@
 DBO (Gemma 2's sliding windows, Inkling's windows beside Mamba-like states in one layer,
 MiniMax's cache class of its own), with either cache kind; the script runs each family in
 a process of its own (a hybrid with a config of its own among them) and reports them in
-its --json."""
+its --json; with --shard it checks `comm.moe.shard_experts` in a world of 2 ranks."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_the_survey_runs_each_family_apart_and_reports_them_in_its_json() -> Non
     assert result["families"] == {"gemma2": {"outcome": "equal"},
                                   "granitemoehybrid": {"outcome": "equal"}}, result
     assert result["counts"] == {"equal": 2}
+
+
+@pytest.mark.timeout(240)
+def test_the_shard_survey_checks_a_family_sharded_over_two_ranks() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--shard", "--only", "hunyuan_v1_moe", "--json"],
+        capture_output=True, text=True, timeout=230,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    result = json.loads(completed.stdout.splitlines()[-1])
+    assert result["families"] == {"hunyuan_v1_moe": {"outcome": "equal"}}, result
