@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,18 @@ def build(kind: str, overrides: dict[str, int]) -> Any:
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config).eval()
 
 
+def first_model(kind: str, reference: Callable[[Any], Any]) -> tuple[Any, Any] | dict[str, str]:
+    """(model, reference(model)) for the first of ATTEMPTS that builds and runs; else the
+    "no model" outcome."""
+    for overrides in ATTEMPTS:
+        try:
+            model = build(kind, overrides)
+            return model, reference(model)
+        except Exception as error:  # noqa: BLE001 - the tiny config is not a model
+            failure = {"outcome": "no model", "why": f"{type(error).__name__}: {error}"[:200]}
+    return failure
+
+
 def check(kind: str, cache: str) -> dict[str, Any]:
     """One family's outcome with `generate`'s `cache_implementation=cache` (in a process
     of its own)."""
@@ -107,15 +120,10 @@ def check(kind: str, cache: str) -> dict[str, Any]:
     ids[mask == 0] = 0
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True,
                    cache_implementation=cache)
-    for overrides in ATTEMPTS:
-        try:
-            model = build(kind, overrides)
-            expected = model.generate(ids, attention_mask=mask, **options)
-            break
-        except Exception as error:  # noqa: BLE001 - the tiny config is not a model
-            failure = {"outcome": "no model", "why": f"{type(error).__name__}: {error}"[:200]}
-    else:
-        return failure
+    built = first_model(kind, lambda model: model.generate(ids, attention_mask=mask, **options))
+    if isinstance(built, dict):
+        return built
+    model, expected = built
     try:
         with dbo.hf.overlap_generation(model, min_prefill_tokens=0, min_decode_tokens=0,
                                        timeout_s=60):
@@ -141,28 +149,24 @@ def check_sharded(kind: str) -> dict[str, Any]:
 
     rank = comm.init_distributed(timeout_s=60)[0]
     ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7 + rank))
-    for overrides in ATTEMPTS:
-        try:
-            model = build(kind, overrides)
-            with torch.no_grad():
-                expected = model(ids).logits
-            break
-        except Exception as error:  # noqa: BLE001 - the tiny config is not a model
-            failure = {"outcome": "no model", "why": f"{type(error).__name__}: {error}"[:200]}
-    else:
-        return failure
-    if not any(name.endswith("experts") for name, _ in model.named_modules()):
-        return {"outcome": "no experts"}
-    try:
-        comm.moe.shard_experts(model)
-    except ValueError as error:
-        return {"outcome": "refused", "why": str(error)[:200]}
     try:
         with torch.no_grad():
-            got = [model(ids).logits, dbo.overlap(model, timeout_s=60)(ids).logits]
-    except Exception as error:  # noqa: BLE001 - what works unsharded must work sharded
-        return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
-    comm.destroy_distributed()
+            built = first_model(kind, lambda model: model(ids).logits)
+            if isinstance(built, dict):
+                return built
+            model, expected = built
+            if not any(name.endswith("experts") for name, _ in model.named_modules()):
+                return {"outcome": "no experts"}
+            try:
+                comm.moe.shard_experts(model)
+            except ValueError as error:
+                return {"outcome": "refused", "why": str(error)[:200]}
+            try:
+                got = [model(ids).logits, dbo.overlap(model, timeout_s=60)(ids).logits]
+            except Exception as error:  # noqa: BLE001 - what works unsharded must work sharded
+                return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+    finally:
+        comm.destroy_distributed()
     same = all(torch.allclose(logits, expected, rtol=1e-4, atol=1e-5) for logits in got)
     return {"outcome": "equal" if same else "WRONG"}
 
