@@ -1,8 +1,9 @@
-"""Which `transformers` causal-LM families generate the same tokens under DBO.
+"""Which `transformers` causal-LM families run the same under DBO: generate, train, sharded.
 
     .venv/bin/python benchmarks/hf_families.py                   # every family: ~1 hour
     .venv/bin/python benchmarks/hf_families.py --only mixtral,gemma2 --json
     .venv/bin/python benchmarks/hf_families.py --cache static   # a StaticCache instead
+    .venv/bin/python benchmarks/hf_families.py --train   # a training step's gradients
     .venv/bin/python benchmarks/hf_families.py --shard   # the MoE families, sharded: ~30 min
 
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
@@ -19,11 +20,18 @@ A family's outcome:
   FAILED       another error under dbo only: a bug
   no model     the tiny config does not build or generate without dbo: not dbo's case
 
+`--train` checks a training step instead: the gradient of every parameter (None where the
+loss reaches none) of a weighted sum of the logits, through `dbo.overlap(model)` against
+the two halves in turn: "equal" is bit for bit, or allclose where the model ties weights
+(a tied weight's two uses add up in another order, as the README says).
+
 `--shard` checks `comm.moe.shard_experts` instead, on the families whose config names
-experts: in a world of 2 gloo ranks (torchrun), each with a batch of its own, the sharded
-model's logits, plain and under `dbo.overlap`, against the unsharded model's (allclose:
-the experts' sums run in another order). "refused": shard_experts refused it, naming why;
-"no experts": the tiny model has no experts module (its MoE layers start deeper).
+experts: in a world of 2 gloo ranks (torchrun), each with 4 rows of its own, the sharded
+model's logits and gradients, plain and under `dbo.overlap`, against the unsharded model's
+on all 8 rows (allclose: the experts' sums run in another order; an expert's gradient
+against its rows of the unsharded one, a replicated one summed over the ranks).
+"refused": shard_experts refused it, naming why; "no experts": the tiny model has no
+experts module (its MoE layers start deeper).
 
 Each family runs in its own process (or world), with a timeout (some build slowly). The
 exit status is 1 if any family is WRONG or FAILED.
@@ -107,6 +115,44 @@ def first_model(kind: str, reference: Callable[[Any], Any]) -> tuple[Any, Any] |
     return failure
 
 
+def _prompts() -> tuple[Any, Any]:
+    """4 prompts of 6 tokens, two of them left-padded, and their attention mask."""
+    import torch
+
+    ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[3, :1] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _gradients(
+    model: Any, logits: Any, probe: Any = None, zeros_for_none: bool = False
+) -> dict[str, Any]:
+    """Every parameter's gradient (None where the loss reaches none) of `(logits * probe).sum()`
+    (`probe`: fixed random weights by default); the model's gradients are cleared after."""
+    import torch
+
+    if probe is None:
+        probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(8))
+    (logits.float() * probe).sum().backward()
+    grads = {name: torch.zeros_like(param) if param.grad is None and zeros_for_none
+             else param.grad for name, param in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _same(got: dict[str, Any], want: dict[str, Any], exact: bool) -> bool:
+    import torch
+
+    def one(a: Any, b: Any) -> bool:
+        if a is None or b is None:
+            return a is b
+        return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    return got.keys() == want.keys() and all(one(got[name], want[name]) for name in got)
+
+
 def check(kind: str, cache: str) -> dict[str, Any]:
     """One family's outcome with `generate`'s `cache_implementation=cache` (in a process
     of its own)."""
@@ -114,10 +160,7 @@ def check(kind: str, cache: str) -> dict[str, Any]:
 
     import dbo
 
-    ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = mask[3, :1] = 0
-    ids[mask == 0] = 0
+    ids, mask = _prompts()
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, use_cache=True,
                    cache_implementation=cache)
     built = first_model(kind, lambda model: model.generate(ids, attention_mask=mask, **options))
@@ -140,35 +183,99 @@ def check(kind: str, cache: str) -> dict[str, Any]:
     return {"outcome": "equal" if same else "WRONG"}
 
 
+def check_train(kind: str) -> dict[str, Any]:
+    """One family's outcome for a training step: every parameter's gradient through
+    `dbo.overlap(model)` against the two halves' in turn."""
+    import torch
+
+    import dbo
+
+    ids, mask = _prompts()
+
+    def in_turn(model: Any) -> list[Any]:
+        halves = [model(i, attention_mask=m).logits
+                  for i, m in zip(ids.tensor_split(2), mask.tensor_split(2))]
+        return _gradients(model, torch.cat(halves))
+
+    built = first_model(kind, in_turn)
+    if isinstance(built, dict):
+        return built
+    model, expected = built
+    try:
+        got = _gradients(model, dbo.overlap(model, timeout_s=60)(ids, attention_mask=mask).logits)
+    except ValueError as error:
+        return {"outcome": "refused", "why": str(error)[:200]}
+    except Exception as error:  # noqa: BLE001 - what works without dbo must work with it
+        return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+    # A tied weight's two uses add up in another order (README: allclose).
+    tied = len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False)))
+    return {"outcome": "equal" if _same(got, expected, exact=not tied) else "WRONG"}
+
+
 def check_sharded(kind: str) -> dict[str, Any]:
-    """One family's outcome with its experts sharded over the ranks of this torchrun world."""
+    """One family's outcome with its experts sharded over the ranks of this torchrun world:
+    logits and gradients, plain and overlapped, against the unsharded model's on every
+    rank's rows at once."""
     import torch
 
     import comm
     import dbo
 
-    rank = comm.init_distributed(timeout_s=60)[0]
-    ids = torch.randint(3, 64, (4, 6), generator=torch.Generator().manual_seed(7 + rank))
+    rank, world_size, _ = comm.init_distributed(timeout_s=60)
+    ids = torch.randint(3, 64, (4 * world_size, 6), generator=torch.Generator().manual_seed(7))
+    mine = slice(4 * rank, 4 * (rank + 1))
+
+    def whole_batch(model: Any) -> tuple[Any, dict[str, Any], Any]:
+        logits = model(ids).logits
+        probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(8))
+        return logits.detach(), _gradients(model, logits, probe, zeros_for_none=True), probe
+
     try:
-        with torch.no_grad():
-            built = first_model(kind, lambda model: model(ids).logits)
-            if isinstance(built, dict):
-                return built
-            model, expected = built
-            if not any(name.endswith("experts") for name, _ in model.named_modules()):
-                return {"outcome": "no experts"}
+        built = first_model(kind, whole_batch)
+        if isinstance(built, dict):
+            return built
+        model, (expected, expected_grads, probe) = built
+        if not any(name.endswith("experts") for name, _ in model.named_modules()):
+            return {"outcome": "no experts"}
+        try:
+            blocks = comm.moe.shard_experts(model)
+        except ValueError as error:
+            return {"outcome": "refused", "why": str(error)[:200]}
+        same = True
+        for step in (model, dbo.overlap(model, timeout_s=60)):
             try:
-                comm.moe.shard_experts(model)
-            except ValueError as error:
-                return {"outcome": "refused", "why": str(error)[:200]}
-            try:
-                got = [model(ids).logits, dbo.overlap(model, timeout_s=60)(ids).logits]
+                logits = step(ids[mine]).logits
+                grads = _gradients(model, logits, probe[mine], zeros_for_none=True)
             except Exception as error:  # noqa: BLE001 - what works unsharded must work sharded
                 return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+            same &= torch.allclose(logits, expected[mine], rtol=1e-4, atol=1e-5)
+            whole = _as_unsharded(grads, blocks, expected_grads, rank)
+            same &= _same(whole, expected_grads, exact=False)
+        everywhere = torch.tensor(int(same))  # rank 0 reports: WRONG on any rank
+        torch.distributed.all_reduce(everywhere, torch.distributed.ReduceOp.MIN)
+        same = bool(everywhere)
     finally:
         comm.destroy_distributed()
-    same = all(torch.allclose(logits, expected, rtol=1e-4, atol=1e-5) for logits in got)
     return {"outcome": "equal" if same else "WRONG"}
+
+
+def _as_unsharded(
+    grads: dict[str, Any], blocks: list[str], expected: dict[str, Any], rank: int
+) -> dict[str, Any]:
+    """This rank's sharded gradients in the unsharded model's terms: an expert parameter's
+    in its experts' rows of the reference's (the reference's elsewhere), a replicated one
+    summed over the ranks (each ran rows of its own)."""
+    import torch
+
+    whole = {}
+    for name, grad in grads.items():
+        if any(name.startswith(f"{block}.experts.") for block in blocks):
+            whole[name] = expected[name].clone()
+            whole[name][rank * len(grad):(rank + 1) * len(grad)] = grad
+        else:
+            whole[name] = grad.clone()
+            torch.distributed.all_reduce(whole[name])
+    return whole
 
 
 def _names_experts(kind: str) -> bool:
@@ -188,7 +295,8 @@ def _command(kind: str, args: argparse.Namespace) -> list[str]:
     if args.shard:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", __file__, "--one", kind, "--shard"]
-    return [sys.executable, __file__, "--one", kind, "--cache", args.cache]
+    return [sys.executable, __file__, "--one", kind, "--cache", args.cache,
+            *(["--train"] if args.train else [])]
 
 
 def main() -> None:
@@ -200,10 +308,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     parser.add_argument("--shard", action="store_true",
                         help="check comm.moe.shard_experts on the MoE families instead")
+    parser.add_argument("--train", action="store_true",
+                        help="check a training step's gradients instead")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-family process
     args = parser.parse_args()
     if args.one:
-        result = check_sharded(args.one) if args.shard else check(args.one, args.cache)
+        result = (check_sharded(args.one) if args.shard else check_train(args.one)
+                  if args.train else check(args.one, args.cache))
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps(result))
         return

@@ -2,7 +2,9 @@
 DBO (Gemma 2's sliding windows, Inkling's windows beside Mamba-like states in one layer,
 MiniMax's cache class of its own), with either cache kind; the script runs each family in
 a process of its own (a hybrid with a config of its own among them) and reports them in
-its --json; with --shard it checks `comm.moe.shard_experts` in a world of 2 ranks."""
+its --json; with --train it checks a training step's gradients (and reports them WRONG when
+they differ); with --shard it checks `comm.moe.shard_experts`, gradients included, in a
+world of 2 ranks."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import dbo
 
 pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_families.py"
@@ -25,6 +29,29 @@ import hf_families  # noqa: E402 - the survey script
 @pytest.mark.parametrize("kind", ["qwen2_moe", "gemma2", "inkling_text", "minimax"])
 def test_the_survey_finds_the_family_the_same_under_dbo(kind: str, cache: str) -> None:
     assert hf_families.check(kind, cache) == {"outcome": "equal"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["qwen2_moe", "gemma2", "granitemoehybrid", "deepseek_v4"])
+def test_the_training_survey_finds_the_family_s_gradients_the_same_under_dbo(kind: str) -> None:
+    assert hf_families.check_train(kind) == {"outcome": "equal"}
+
+
+@pytest.mark.timeout(120)
+def test_the_training_survey_reports_gradients_a_thousandth_off_as_wrong(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    overlap = dbo.overlap
+
+    def off(model: object, **options: object) -> object:
+        def step(*args: object, **kwargs: object) -> object:
+            output = overlap(model, **options)(*args, **kwargs)
+            output.logits = output.logits * 1.001
+            return output
+        return step
+
+    monkeypatch.setattr(dbo, "overlap", off)
+    assert hf_families.check_train("qwen2_moe") == {"outcome": "WRONG"}
 
 
 @pytest.mark.timeout(240)
