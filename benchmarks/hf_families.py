@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/hf_families.py --cache static   # a StaticCache instead
     .venv/bin/python benchmarks/hf_families.py --train   # a training step's gradients
     .venv/bin/python benchmarks/hf_families.py --shard   # the MoE families, sharded: ~30 min
+    .venv/bin/python benchmarks/hf_families.py --shard --capacity 24   # the fixed-shape path
 
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, or 8 if it needs them, hidden 32, 4 experts top-2 where it has
@@ -31,7 +32,8 @@ model's logits and gradients, plain and under `dbo.overlap`, against the unshard
 on all 8 rows (allclose: the experts' sums run in another order; an expert's gradient
 against its rows of the unsharded one, a replicated one summed over the ranks).
 "refused": shard_experts refused it, naming why; "no experts": the tiny model has no
-experts module (its MoE layers start deeper).
+experts module (its MoE layers start deeper). `--capacity 24` takes the fixed-shape path
+with room for every token a rank has in one call (4 rows of 6), so it drops none.
 
 Each family runs in its own process (or world), with a timeout (some build slowly). The
 exit status is 1 if any family is WRONG or FAILED.
@@ -212,16 +214,16 @@ def check_train(kind: str) -> dict[str, Any]:
     return {"outcome": "equal" if _same(got, expected, exact=not tied) else "WRONG"}
 
 
-def check_sharded(kind: str) -> dict[str, Any]:
-    """One family's outcome with its experts sharded over the ranks of this torchrun world:
-    logits and gradients, plain and overlapped, against the unsharded model's on every
-    rank's rows at once."""
+def check_sharded(kind: str, capacity: int | None = None) -> dict[str, Any]:
+    """One family's outcome with its experts sharded over the ranks of this torchrun world
+    (`capacity`: on the fixed-shape path): logits and gradients, plain and overlapped,
+    against the unsharded model's on every rank's rows at once."""
     import torch
 
     import comm
     import dbo
 
-    rank, world_size, _ = comm.init_distributed(timeout_s=60)
+    rank, world_size, _ = comm.init_distributed(timeout_s=60, allow_single_process=True)
     ids = torch.randint(3, 64, (4 * world_size, 6), generator=torch.Generator().manual_seed(7))
     mine = slice(4 * rank, 4 * (rank + 1))
 
@@ -238,7 +240,7 @@ def check_sharded(kind: str) -> dict[str, Any]:
         if not any(name.endswith("experts") for name, _ in model.named_modules()):
             return {"outcome": "no experts"}
         try:
-            blocks = comm.moe.shard_experts(model)
+            blocks = comm.moe.shard_experts(model, capacity=capacity)
         except ValueError as error:
             return {"outcome": "refused", "why": str(error)[:200]}
         same = True
@@ -294,7 +296,8 @@ def _command(kind: str, args: argparse.Namespace) -> list[str]:
     """The process (or torchrun world of 2 ranks) that checks one family."""
     if args.shard:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", __file__, "--one", kind, "--shard"]
+                "--nproc-per-node", "2", __file__, "--one", kind, "--shard",
+                *(["--capacity", str(args.capacity)] if args.capacity else [])]
     return [sys.executable, __file__, "--one", kind, "--cache", args.cache,
             *(["--train"] if args.train else [])]
 
@@ -308,12 +311,14 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object as the last line")
     parser.add_argument("--shard", action="store_true",
                         help="check comm.moe.shard_experts on the MoE families instead")
+    parser.add_argument("--capacity", type=int,
+                        help="with --shard: the fixed-shape path, rows per (rank, expert)")
     parser.add_argument("--train", action="store_true",
                         help="check a training step's gradients instead")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-family process
     args = parser.parse_args()
     if args.one:
-        result = (check_sharded(args.one) if args.shard else check_train(args.one)
+        result = (check_sharded(args.one, args.capacity) if args.shard else check_train(args.one)
                   if args.train else check(args.one, args.cache))
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps(result))

@@ -4,7 +4,7 @@ MiniMax's cache class of its own), with either cache kind; the script runs each 
 a process of its own (a hybrid with a config of its own among them) and reports them in
 its --json; with --train it checks a training step's gradients (and reports them WRONG when
 they differ); with --shard it checks `comm.moe.shard_experts`, gradients included, in a
-world of 2 ranks."""
+world of 2 ranks (in-process: a world of one), on the fixed-shape path with --capacity."""
 
 from __future__ import annotations
 
@@ -66,6 +66,15 @@ def test_the_survey_runs_each_family_apart_and_reports_them_in_its_json() -> Non
     assert result["families"] == {"gemma2": {"outcome": "equal"},
                                   "granitemoehybrid": {"outcome": "equal"}}, result
     assert result["counts"] == {"equal": 2}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("capacity", "outcome"), [(None, "equal"), (24, "equal"), (1, "WRONG")])
+def test_the_shard_survey_in_a_world_of_one_finds_what_a_capacity_drops(
+    capacity: int | None, outcome: str, world_of_one: None
+) -> None:
+    """Room for every token: the same logits and gradients; room for one: rows dropped."""
+    assert hf_families.check_sharded("qwen2_moe", capacity) == {"outcome": outcome}
 
 
 @pytest.mark.timeout(240)
