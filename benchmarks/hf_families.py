@@ -144,13 +144,22 @@ def _gradients(
     return grads
 
 
+def _close(got: Any, want: Any) -> bool:
+    """Equal to within 1e-4 of `want`'s largest magnitude: sums over the rows run in
+    another order (a gradient of magnitude 100 may differ by 1e-4 where it is near 0)."""
+    import torch
+
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    return torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale + 1e-6)
+
+
 def _same(got: dict[str, Any], want: dict[str, Any], exact: bool) -> bool:
     import torch
 
     def one(a: Any, b: Any) -> bool:
         if a is None or b is None:
             return a is b
-        return torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+        return torch.equal(a, b) if exact else _close(a, b)
 
     return got.keys() == want.keys() and all(one(got[name], want[name]) for name in got)
 
@@ -250,7 +259,7 @@ def check_sharded(kind: str, capacity: int | None = None) -> dict[str, Any]:
                 grads = _gradients(model, logits, probe[mine], zeros_for_none=True)
             except Exception as error:  # noqa: BLE001 - what works unsharded must work sharded
                 return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
-            same &= torch.allclose(logits, expected[mine], rtol=1e-4, atol=1e-5)
+            same &= _close(logits, expected[mine])
             whole = _as_unsharded(grads, blocks, expected_grads, rank)
             same &= _same(whole, expected_grads, exact=False)
         everywhere = torch.tensor(int(same))  # rank 0 reports: WRONG on any rank

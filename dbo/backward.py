@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from dbo.split import UBatchInputs, flat_arguments, flatten
 
@@ -44,6 +45,12 @@ assert _leaf_user is not None, "an op on a leaf that requires grad records a nod
 _AccumulateGrad = type(_leaf_user.next_functions[0][0])
 """The autograd node of a leaf (its `variable`)."""
 del _leaf_user
+
+_ReentrantCheckpoint = type(checkpoint(
+    torch.neg, torch.empty(1, requires_grad=True), use_reentrant=True
+).grad_fn)
+"""The autograd node of `torch.utils.checkpoint(..., use_reentrant=True)`, whose backward
+refuses to run inside `torch.autograd.grad`."""
 
 
 def own_leaves(
@@ -166,6 +173,14 @@ def _plan_graphs(plan: _Plan) -> None:
     for _, _, nodes in walks:
         met |= walked & nodes
         walked |= nodes
+    if any(type(node) is _ReentrantCheckpoint for node in walked):
+        raise ValueError(
+            "fn's graph holds torch.utils.checkpoint(..., use_reentrant=True), whose backward "
+            "refuses torch.autograd.grad, and each ubatch's backward is one: checkpoint "
+            "with use_reentrant=False (transformers: gradient_checkpointing_kwargs="
+            "{'use_reentrant': False}), or pass overlap_backward=False to dbo.overlap (the "
+            "backward then runs whole in the caller's thread)"
+        )
     if met:
         shared = frozenset(met)
         cut = [

@@ -3,6 +3,7 @@ if the ubatches had run in turn (`dbo/backward.py`)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -214,6 +215,39 @@ def test_checkpointing_inside_the_function_gives_the_in_turn_gradients() -> None
 
     got = _grads(model, x, dbo.overlap(block, timeout_s=30))
     assert _bitwise(got, _grads(model, x, _in_turn(block)))
+
+
+def test_reentrant_checkpointing_inside_the_function_is_refused_naming_both_ways_out() -> None:
+    """Its backward refuses torch.autograd.grad, which each ubatch's backward is: refused
+    at the forward, naming use_reentrant=False and overlap_backward=False, which work."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = _Model(), _x()
+
+    def block(x: torch.Tensor, use_reentrant: bool = True) -> torch.Tensor:
+        return checkpoint(model.block, x, use_reentrant=use_reentrant)
+
+    with pytest.raises(ValueError, match=r"use_reentrant=True.*use_reentrant=False.*"
+                                         r"overlap_backward=False"):
+        dbo.overlap(block, timeout_s=30)(model.pre(x))
+    want = _grads(model, x, _in_turn(block))
+    assert _bitwise(_grads(model, x, dbo.overlap(block, overlap_backward=False)), want)
+    non_reentrant = functools.partial(block, use_reentrant=False)
+    assert _bitwise(_grads(model, x, dbo.overlap(non_reentrant, timeout_s=30)), want)
+    with torch.no_grad():  # no graph, no backward to refuse
+        torch.testing.assert_close(dbo.overlap(block)(x), block(x))
+
+
+def test_reentrant_checkpointing_around_an_overlap_gives_the_same_gradients() -> None:
+    """Its forward runs without grad (nothing to overlap backward) and its backward reruns
+    the call under grad mode inside autograd's backward: the ubatches' backward runs there."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, x = _Model(), _x()
+    step = dbo.overlap(model.block, timeout_s=30)
+    want = _grads(model, x, _in_turn(model.block))
+    got = _grads(model, x, lambda h: checkpoint(step, h, use_reentrant=True))
+    assert _bitwise(got, want)
 
 
 def test_an_argument_passed_whole_gets_the_sum_of_the_ubatches_gradients() -> None:
