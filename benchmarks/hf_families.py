@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/hf_families.py --cache static   # a StaticCache instead
     .venv/bin/python benchmarks/hf_families.py --train   # a training step's gradients
     .venv/bin/python benchmarks/hf_families.py --shard   # the MoE families, sharded: ~30 min
-    .venv/bin/python benchmarks/hf_families.py --shard --capacity 24   # the fixed-shape path
+    .venv/bin/python benchmarks/hf_families.py --shard --capacity 48   # the fixed-shape path
 
 For each model type transformers maps to a causal LM, a tiny random-weight model is built
 from its config (2 layers, or 8 if it needs them, hidden 32, 4 experts top-2 where it has
@@ -32,8 +32,10 @@ model's logits and gradients, plain and under `dbo.overlap`, against the unshard
 on all 8 rows (allclose: the experts' sums run in another order; an expert's gradient
 against its rows of the unsharded one, a replicated one summed over the ranks).
 "refused": shard_experts refused it, naming why; "no experts": the tiny model has no
-experts module (its MoE layers start deeper). `--capacity 24` takes the fixed-shape path
-with room for every token a rank has in one call (4 rows of 6), so it drops none.
+experts module (its MoE layers start deeper). `--capacity 48` takes the fixed-shape path
+with room for every (token, expert) pair a rank has in one call (4 rows of 6 tokens, top-2),
+so it drops none, even where a router picks one expert twice for a token (a tiny
+DeepSeek-V4's hash layers, whose token-to-expert table starts at zeros).
 
 Each family runs in its own process (or world), with a timeout (some build slowly). The
 exit status is 1 if any family is WRONG or FAILED.

@@ -35,9 +35,11 @@ def shard_experts(
     `capacity` switches to the fixed-shape path (`dispatch_fixed`, `check_ids=False`: the
     router's ids are in range) with that many rows per (rank, expert), the same on every
     rank: pairs past it are dropped (zero contribution), so give at least the most tokens
-    one rank has in one call to drop none. The experts also run on the padding rows; the
-    forward is free of host reads only if the model's expert computation is too (in
-    transformers, `experts_implementation="batched_mm"` or `"grouped_mm"`).
+    one rank has in one call to drop none (times top-k if a router may pick one expert twice
+    for a token: DeepSeek-V4's hash routing reads a table that allows it). The experts also
+    run on the padding rows; the forward is free of host reads only if the model's expert
+    computation is too (in transformers, `experts_implementation="batched_mm"` or
+    `"grouped_mm"`).
 
     Returns the names of the blocks changed; ValueError naming the model's class when it
     has none (or only sharded ones), when an expert count is not divisible by the group's

@@ -69,11 +69,12 @@ def test_the_survey_runs_each_family_apart_and_reports_them_in_its_json() -> Non
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("capacity", "outcome"), [(None, "equal"), (24, "equal"), (1, "WRONG")])
+@pytest.mark.parametrize(("capacity", "outcome"), [(None, "equal"), (48, "equal"), (1, "WRONG")])
 def test_the_shard_survey_in_a_world_of_one_finds_what_a_capacity_drops(
     capacity: int | None, outcome: str, world_of_one: None
 ) -> None:
-    """Room for every token: the same logits and gradients; room for one: rows dropped."""
+    """Room for every (token, expert) pair: the same logits and gradients; room for one:
+    rows dropped."""
     assert hf_families.check_sharded("qwen2_moe", capacity) == {"outcome": outcome}
 
 
