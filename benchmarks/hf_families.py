@@ -107,6 +107,12 @@ def build(kind: str, overrides: dict[str, int]) -> Any:
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])(config).eval()
 
 
+def _outcome(outcome: str, error: Exception) -> dict[str, str]:
+    """An outcome with why: a refusal's message, or another error's type and message."""
+    why = str(error) if outcome == "refused" else f"{type(error).__name__}: {error}"
+    return {"outcome": outcome, "why": why[:200]}
+
+
 def first_model(kind: str, reference: Callable[[Any], Any]) -> tuple[Any, Any] | dict[str, str]:
     """(model, reference(model)) for the first of ATTEMPTS that builds and runs; else the
     "no model" outcome."""
@@ -115,7 +121,7 @@ def first_model(kind: str, reference: Callable[[Any], Any]) -> tuple[Any, Any] |
             model = build(kind, overrides)
             return model, reference(model)
         except Exception as error:  # noqa: BLE001 - the tiny config is not a model
-            failure = {"outcome": "no model", "why": f"{type(error).__name__}: {error}"[:200]}
+            failure = _outcome("no model", error)
     return failure
 
 
@@ -189,9 +195,9 @@ def check(kind: str, cache: str) -> dict[str, Any]:
             halves = [model(i, attention_mask=m).logits
                       for i, m in zip(ids.tensor_split(2), mask.tensor_split(2))]
     except ValueError as error:
-        return {"outcome": "refused", "why": str(error)[:200]}
+        return _outcome("refused", error)
     except Exception as error:  # noqa: BLE001 - what works without dbo must work with it
-        return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+        return _outcome("FAILED", error)
     same = torch.equal(got, expected) and torch.equal(logits, torch.cat(halves))
     return {"outcome": "equal" if same else "WRONG"}
 
@@ -205,7 +211,7 @@ def check_train(kind: str) -> dict[str, Any]:
 
     ids, mask = _prompts()
 
-    def in_turn(model: Any) -> list[Any]:
+    def in_turn(model: Any) -> dict[str, Any]:
         halves = [model(i, attention_mask=m).logits
                   for i, m in zip(ids.tensor_split(2), mask.tensor_split(2))]
         return _gradients(model, torch.cat(halves))
@@ -217,9 +223,9 @@ def check_train(kind: str) -> dict[str, Any]:
     try:
         got = _gradients(model, dbo.overlap(model, timeout_s=60)(ids, attention_mask=mask).logits)
     except ValueError as error:
-        return {"outcome": "refused", "why": str(error)[:200]}
+        return _outcome("refused", error)
     except Exception as error:  # noqa: BLE001 - what works without dbo must work with it
-        return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+        return _outcome("FAILED", error)
     # A tied weight's two uses add up in another order (README: allclose).
     tied = len(list(model.parameters())) < len(list(model.named_parameters(remove_duplicate=False)))
     return {"outcome": "equal" if _same(got, expected, exact=not tied) else "WRONG"}
@@ -253,14 +259,14 @@ def check_sharded(kind: str, capacity: int | None = None) -> dict[str, Any]:
         try:
             blocks = comm.moe.shard_experts(model, capacity=capacity)
         except ValueError as error:
-            return {"outcome": "refused", "why": str(error)[:200]}
+            return _outcome("refused", error)
         same = True
         for step in (model, dbo.overlap(model, timeout_s=60)):
             try:
                 logits = step(ids[mine]).logits
                 grads = _gradients(model, logits, probe[mine], zeros_for_none=True)
             except Exception as error:  # noqa: BLE001 - what works unsharded must work sharded
-                return {"outcome": "FAILED", "why": f"{type(error).__name__}: {error}"[:200]}
+                return _outcome("FAILED", error)
             same &= _close(logits, expected[mine])
             whole = _as_unsharded(grads, blocks, expected_grads, rank)
             same &= _same(whole, expected_grads, exact=False)
@@ -308,7 +314,7 @@ def _command(kind: str, args: argparse.Namespace) -> list[str]:
     if args.shard:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2", __file__, "--one", kind, "--shard",
-                *(["--capacity", str(args.capacity)] if args.capacity else [])]
+                *(["--capacity", str(args.capacity)] if args.capacity is not None else [])]
     return [sys.executable, __file__, "--one", kind, "--cache", args.cache,
             *(["--train"] if args.train else [])]
 
@@ -328,6 +334,10 @@ def main() -> None:
                         help="check a training step's gradients instead")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the per-family process
     args = parser.parse_args()
+    if args.train and args.shard:
+        parser.error("--train and --shard are two surveys: pass one")
+    if args.capacity is not None and not args.shard:
+        parser.error("--capacity applies to --shard only")
     if args.one:
         result = (check_sharded(args.one, args.capacity) if args.shard else check_train(args.one)
                   if args.train else check(args.one, args.cache))
