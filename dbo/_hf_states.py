@@ -67,18 +67,32 @@ class StateRows(LinearAttentionLayer):
         self._enter()
         return super().update_recurrent_state(*args, **kwargs)
 
+    def increase_count(self, *args: Any, **kwargs: Any) -> None:
+        """This ubatch's token count (`transformers` >= 5.25 counts in the layer)."""
+        self._enter()
+        super().increase_count(*args, **kwargs)
+
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> Any:
+        """This ubatch's token count, entering the call."""
+        self._enter()
+        return super().get_seq_length(*args, **kwargs)
+
     def lazy_initialization(
         self, conv_states: torch.Tensor | None = None,
-        recurrent_states: torch.Tensor | None = None, state_idx: int = 0,
+        recurrent_states: torch.Tensor | list[torch.Tensor] | None = None, state_idx: int = 0,
         conv_kernel_size: int | None = None,
     ) -> None:
         """Initialize the state in the whole layer (all rows), then take this ubatch's
-        views; a state another ubatch initialized is only viewed."""
+        views; a state another ubatch initialized is only viewed. Recurrent states given
+        as a list (one per token, `transformers` >= 5.25) are shaped as their last."""
         whole = self.whole
 
-        def all_rows(states: torch.Tensor | None, done: dict[int, bool]) -> Any:
+        def all_rows(states: torch.Tensor | list[torch.Tensor] | None,
+                     done: dict[int, bool]) -> Any:
             if states is None or done[state_idx]:
                 return None
+            if not isinstance(states, torch.Tensor):
+                states = states[-1]
             return for_every_row(states, self.whole_batch).contiguous()
 
         given = dict(  # only those given: transformers' hybrid layers count them
@@ -118,11 +132,16 @@ class StateRows(LinearAttentionLayer):
                             for index, states in whole.conv_states.items()}
         self.recurrent_states = {index: None if states is None else states[self.rows]
                                  for index, states in whole.recurrent_states.items()}
+        counted = getattr(whole, "cumulative_length_linear", None)  # transformers >= 5.25
+        if counted is not None:
+            self.cumulative_length_linear = counted.clone()  # every row's: the same count
 
     @staticmethod
     def end_call(whole: Any, parts: list[Any]) -> None:
-        """The caller's flags after a call: the ubatches' (the states are written in place)."""
-        flags = [part._flags for part in parts if part.states_run is run_state()]
+        """The caller's flags and token count after a call: the ubatches' (the states
+        are written in place)."""
+        ran = [part for part in parts if part.states_run is run_state()]
+        flags = [part._flags for part in ran]
         if any(flag != flags[0] for flag in flags):
             raise RuntimeError(
                 "the ubatches left different linear-attention states in one cache layer "
@@ -130,6 +149,9 @@ class StateRows(LinearAttentionLayer):
             )
         if flags:
             whole.has_previous_state = dict(flags[0])
+        if ran and getattr(whole, "cumulative_length_linear", None) is not None:
+            # in place, as the layer's own count moves: a captured graph replays it
+            whole.cumulative_length_linear.copy_(ran[0].cumulative_length_linear)
 
 
 def _hybrid(attention: Any, name: str) -> Any:
@@ -145,13 +167,16 @@ def _hybrid(attention: Any, name: str) -> Any:
     def lazy_initialization(self: Any, *args: Any, **kwargs: Any) -> None:
         (attention if args else StateRows).lazy_initialization(self, *args, **kwargs)
 
+    def get_seq_length(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return attention.get_seq_length(self, *args, **kwargs)  # the keys' length
+
     def end_call(whole: Any, parts: list[Any]) -> None:
         attention.end_call(whole, parts)
         StateRows.end_call(whole, parts)
 
     return type(name, (StateRows, attention), {
         "__init__": __init__, "lazy_initialization": lazy_initialization,
-        "end_call": staticmethod(end_call), "__module__": __name__,
+        "get_seq_length": get_seq_length, "end_call": staticmethod(end_call), "__module__": __name__,
         "__doc__": f"Hybrid rows: the states as `StateRows`, keys as `{attention.__name__}`.",
     })
 
