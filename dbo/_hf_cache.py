@@ -70,6 +70,7 @@ from dbo._hf_states import (
 )
 from dbo.api import at_ubatch_exit, run_state, wait_for_every_ubatch
 from dbo.graphs import capturing
+from dbo.hf.versions import check_transformers
 
 ROWS: dict[Any, dict[Any, Any]] = {
     DynamicCache: {
@@ -103,6 +104,7 @@ def register() -> None:
 
 def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     """One cache per ubatch: views of its rows of `cache`."""
+    check_transformers()
     _check_supported(cache)
     batch_size = sum(rows)
     starts = [sum(rows[:i]) for i in range(len(rows))]

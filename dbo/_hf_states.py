@@ -176,7 +176,8 @@ def _hybrid(attention: Any, name: str) -> Any:
 
     return type(name, (StateRows, attention), {
         "__init__": __init__, "lazy_initialization": lazy_initialization,
-        "get_seq_length": get_seq_length, "end_call": staticmethod(end_call), "__module__": __name__,
+        "get_seq_length": get_seq_length, "end_call": staticmethod(end_call),
+        "__module__": __name__,
         "__doc__": f"Hybrid rows: the states as `StateRows`, keys as `{attention.__name__}`.",
     })
 

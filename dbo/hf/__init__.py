@@ -10,6 +10,11 @@ rule of `dbo`'s transformers caches: views, written in place, nothing merged bac
 the tokens are those of `generate` without DBO. `transformers` is imported only when a
 model is passed in, never by `import dbo`.
 
+dbo reaches into `transformers`' cache classes, which change between releases: outside
+the releases it is tested on (`dbo.hf.versions.TESTED_TRANSFORMERS`), `overlap_generation`
+and the cache split rule raise `UntestedVersionError`, naming the way on
+(`DBO_ALLOW_UNTESTED_VERSIONS=1`, after `python -m dbo.hf.check --family <model_type>`).
+
 A decode loop of one's own gets the same cache handling from `dbo.overlap`: pass the
 cache as an argument (it is split by rows; the caller's cache is up to date after each
 call, whether or not the function returns it):
@@ -32,8 +37,14 @@ from typing import Any
 import torch
 
 from dbo import stateful
+from dbo.hf.versions import TESTED_TRANSFORMERS, UntestedVersionError, check_transformers
 from dbo.overlap import overlap
 from dbo.split import UBatchInputs, default_split
+
+__all__ = [
+    "DEFAULT_MIN_DECODE_TOKENS", "DEFAULT_MIN_PREFILL_TOKENS", "TESTED_TRANSFORMERS",
+    "GenerationOverlap", "UntestedVersionError", "cache_bytes_written", "overlap_generation",
+]
 
 
 def _register_cache_rule() -> None:
@@ -111,8 +122,10 @@ def overlap_generation(
     takes the same path each step (needed with `comm.moe.shard_experts`, together with
     `generate(..., synced_gpus=True)` so that ranks whose rows all stopped keep stepping).
     Generation's auto-compile is turned off while active (it would trace the ubatch
-    threads). ValueError if `model` has no `generate`, or is already overlapped.
+    threads). ValueError if `model` has no `generate`, or is already overlapped;
+    `UntestedVersionError` on a `transformers` release dbo is not tested on.
     """
+    check_transformers()
     if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
         raise ValueError(
             f"overlap_generation needs a transformers model with a generate method, got "
