@@ -61,7 +61,7 @@ demo-workspace: $(STAMP)
 	$(BIN)/python examples/workspace_demo.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check dbo workspace comm examples tests benchmarks
+	$(BIN)/ruff check dbo workspace comm examples tests benchmarks tools
 
 typecheck: $(STAMP)
 	$(BIN)/mypy dbo workspace comm

@@ -13,7 +13,6 @@ release first (tokens, logits and gradients with and without DBO).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import warnings
@@ -45,7 +44,6 @@ def pip_spec() -> str:
     return f">={low},<{major}.{int(minor) + 1}"
 
 
-@functools.lru_cache(maxsize=8)
 def is_tested(version: str) -> bool:
     """Whether `transformers` `version` is in `TESTED_TRANSFORMERS`."""
     low, high = (_minor(bound) for bound in TESTED_TRANSFORMERS)
@@ -53,7 +51,8 @@ def is_tested(version: str) -> bool:
     return minor is not None and low is not None and high is not None and low <= minor <= high
 
 
-_warned: set[str] = set()
+_checked: set[str] = set()
+"""The releases `check_transformers` let through in this process (tested, or warned of)."""
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -64,12 +63,15 @@ def check_transformers(version: str | None = None) -> None:
         import transformers
 
         version = transformers.__version__
-    if version in _warned or is_tested(version):
+    if version in _checked:
+        return
+    if is_tested(version):
+        _checked.add(version)
         return
     low, high = TESTED_TRANSFORMERS
     tested = f"{low}.x to {high}.x"
     if os.environ.get(ALLOW_UNTESTED) == "1":
-        _warned.add(version)
+        _checked.add(version)
         warnings.warn(
             f"dbo.hf runs on transformers {version}, outside its tested releases ({tested}), "
             f"because {ALLOW_UNTESTED}=1: check your model family with "

@@ -6,11 +6,11 @@ warns once per process."""
 from __future__ import annotations
 
 import re
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import dbo
@@ -49,8 +49,10 @@ def test_the_pins_are_inside_the_declared_ranges() -> None:
     ("5.24.0", True), ("5.25.3", True), ("5.25", True), ("5.23.1", False), ("5.26.0", False),
     ("5.26.0.dev0", False), ("5.25.0rc1", False), ("6.0.0", False), ("4.57.6", False),
 ])
-def test_a_release_is_tested_when_its_minor_is_in_the_range(version: str, tested: bool) -> None:
-    assert versions.TESTED_TRANSFORMERS == ("5.24", "5.25")
+def test_a_release_is_tested_when_its_minor_is_in_the_range(
+    version: str, tested: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(versions, "TESTED_TRANSFORMERS", ("5.24", "5.25"))
     assert versions.is_tested(version) is tested
 
 
@@ -58,6 +60,7 @@ def test_an_untested_release_is_refused_naming_it_the_range_and_the_way_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(versions.ALLOW_UNTESTED, raising=False)
+    monkeypatch.setattr(versions, "TESTED_TRANSFORMERS", ("5.24", "5.25"))
     with pytest.raises(dbo.hf.UntestedVersionError) as raised:
         versions.check_transformers("5.26.0")
     message = str(raised.value)
@@ -70,7 +73,8 @@ def test_allowing_untested_releases_warns_once_per_process(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(versions.ALLOW_UNTESTED, "1")
-    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setattr(versions, "_checked", set())
+    monkeypatch.setattr(versions, "TESTED_TRANSFORMERS", ("5.24", "5.25"))
     with pytest.warns(RuntimeWarning, match="transformers 5.26.0, outside its tested"):
         versions.check_transformers("5.26.0")
     with warnings.catch_warnings():
@@ -84,7 +88,7 @@ def _pretend_untested(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
     monkeypatch.delenv(versions.ALLOW_UNTESTED, raising=False)
-    monkeypatch.setattr(versions, "_warned", set())
+    monkeypatch.setattr(versions, "_checked", set())
     monkeypatch.setattr(transformers, "__version__", "5.99.0")
 
 
