@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dbo._torch_private import private
 from dbo.split import UBatchInputs, batch_size_of, check_objects, splittable_leaves
 
 
@@ -72,9 +73,7 @@ def smallest_batch_across_ranks(
         )
     # torch.full: a copy from host memory would sync the host once more than .item().
     # Outside the caller's modes (a FakeTensorMode would make the vote a fake tensor).
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes(), torch._C.DisableTorchFunction():
+    with private.disable_current_modes(), private.DisableTorchFunction():
         size = torch.full((1,), local_size, dtype=torch.int64, device=device)
         dist.all_reduce(size, op=dist.ReduceOp.MIN, group=group)
         return int(size.item())

@@ -19,13 +19,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
 
+from dbo._torch_private import private  # torch has no public reader of the hooks and modes
+
 _AUTOCAST_TYPES = ("cpu", "cuda")
 _CPU = torch.device("cpu")
-# torch has no public reader of the current saved-tensor hooks; these are autograd's own.
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_hooks_disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message
-_function_mode_depth = torch._C._len_torch_function_stack
-_dispatch_mode_depth = torch._C._len_torch_dispatch_stack
 _applied = threading.local()  # .num_threads: what this worker set; torch may report the
 # caller's count in a thread whose OpenMP pool was never sized
 
@@ -52,12 +49,12 @@ def capture() -> ThreadSettings:
             dtype, cache = torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled()
             contexts.append(partial(torch.autocast, kind, dtype=dtype, cache_enabled=cache))
     # torch.get_default_device() costs ~2 us; a default device is a torch-function mode.
-    device = _CPU if _function_mode_depth() == 0 else torch.get_default_device()
+    device = _CPU if private.function_mode_depth() == 0 else torch.get_default_device()
     if device != _CPU:
         contexts.append(lambda: device)  # a torch.device is a context manager
-    if (hooks := _top_hooks(True)) is not None:
+    if (hooks := private.top_saved_tensors_hooks(True)) is not None:
         contexts.append(partial(saved_tensors_hooks, *hooks))
-    if (message := _hooks_disabled()) is not None:
+    if (message := private.saved_tensors_hooks_disabled_message()) is not None:
         contexts.append(partial(disable_saved_tensors_hooks, message))
     return ThreadSettings(
         torch.get_num_threads(), torch.cuda.current_device() if cuda_initialized else None,
@@ -67,20 +64,17 @@ def capture() -> ThreadSettings:
 
 def saved_tensors_hooks_active() -> bool:
     """Whether saved-tensor hooks are on in this thread (checkpointing, `save_on_cpu`)."""
-    return _top_hooks(True) is not None
+    return private.top_saved_tensors_hooks(True) is not None
 
 
 def unreplayed_mode_active() -> bool:
     """Whether a dispatch mode or a torch-function mode other than the default device's
     is on in this thread: `dbo.overlap` then runs inline."""
-    if _dispatch_mode_depth() > 0:
+    if private.dispatch_mode_depth() > 0:
         return True
-    if _function_mode_depth() == 0:
+    if private.function_mode_depth() == 0:
         return False
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    return not all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
+    return not all(isinstance(mode, private.DeviceContext) for mode in private.function_modes())
 
 
 class applied:  # noqa: N801 - a class, not a generator: every ubatch of every call enters it
@@ -121,13 +115,13 @@ class applied:  # noqa: N801 - a class, not a generator: every ubatch of every c
             torch.set_grad_enabled(True)
             for kind in _AUTOCAST_TYPES:
                 torch.set_autocast_enabled(kind, False)
-            while _top_hooks(True) is not None:
-                torch._C._autograd._pop_saved_tensors_default_hooks()
-            if _hooks_disabled() is not None:
-                torch._C._autograd._saved_tensors_hooks_enable()
-            if getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None) is not None:
+            while private.top_saved_tensors_hooks(True) is not None:
+                private.pop_saved_tensors_hooks()
+            if private.saved_tensors_hooks_disabled_message() is not None:
+                private.enable_saved_tensors_hooks()
+            if getattr(private.default_device_context, "device_context", None) is not None:
                 torch.set_default_device(None)
-            while _function_mode_depth() > 0:  # entered by `fn`, never exited
-                torch._C._pop_torch_function_stack()
-            while _dispatch_mode_depth() > 0:
-                torch._C._pop_torch_dispatch_stack(None)
+            while private.function_mode_depth() > 0:  # entered by `fn`, never exited
+                private.pop_function_mode()
+            while private.dispatch_mode_depth() > 0:
+                private.pop_dispatch_mode(None)

@@ -12,10 +12,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from dbo import tracing
 from dbo._context import _state
+from dbo._torch_private import profiling as profiler_records
 
 if TYPE_CHECKING:
     from dbo._run import OverlapRun
@@ -234,7 +233,7 @@ def blocking_wait(wait: Callable[..., Any], name: str, *args: Any) -> Any:
     hidden) on the calling thread's ubatch track, the caller's outside an overlap, when a
     `dbo.trace()` records, and as a `torch.profiler` range when one profiles; nothing
     more otherwise. For library code that waits for communication (`comm` does)."""
-    recording, profiling = tracing._active, torch.autograd.profiler._is_profiler_enabled
+    recording, profiling = tracing._active, profiler_records()
     if recording is None and not profiling:
         return wait(*args)
     context = _state.context

@@ -34,6 +34,7 @@ from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from dbo._torch_private import private
 from dbo.split import UBatchInputs, flat_arguments, flatten
 
 RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
@@ -337,7 +338,5 @@ def _ubatch_backward(
 
 
 def _keep_graph() -> bool:
-    """Whether the running backward keeps the graph (`retain_graph=True`); True where
-    this torch cannot say (the ubatches' graphs then live as long as the outputs)."""
-    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if ask is None else bool(ask())
+    """Whether the running backward keeps the graph (`retain_graph=True`)."""
+    return bool(private.backward_keeps_graph())

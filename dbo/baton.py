@@ -16,10 +16,9 @@ import _thread
 import time
 from collections.abc import Sequence
 
-from torch.autograd import profiler
-
 from dbo import tracing
 from dbo._checks import lock_timeout
+from dbo._torch_private import profiling
 from dbo._wakeup import Wakeup, new_wakeup
 from dbo.errors import UBatchAbortedError
 
@@ -118,7 +117,7 @@ class Baton:
         self._turn_start[ubatch_id] = time.perf_counter()
         if self.aborted:
             raise UBatchAbortedError(f"ubatch {ubatch_id} aborted: {self.abort_reason}")
-        if profiler._is_profiler_enabled:  # a torch.profiler profile shows the turn
+        if profiling():  # a torch.profiler profile shows the turn
             self._ranges[ubatch_id] = tracing.begin_range(ubatch_id, "turn")
 
     def yield_(self, ubatch_id: int) -> None:

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves
 from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo._pool import runner_pool
+from dbo._torch_private import private
 from dbo.api import run_state
 from dbo.device import CudaBackend
 from dbo.overlap import Overlapped
@@ -343,8 +344,8 @@ class _Capture:
         as one a failed capture used (`failed_pools`)."""
         index = self.device.index
         with contextlib.suppress(Exception):  # capture_end got that far
-            torch._C._cuda_endAllocateToPool(index, self.pool)
+            private.end_allocate_to_pool(index, self.pool)
         with contextlib.suppress(Exception):
-            torch._C._cuda_releasePool(index, self.pool)
+            private.release_pool(index, self.pool)
         _Capture.failed_graphs.append(self.graph)
         _Capture.failed_pools.add(self.pool)

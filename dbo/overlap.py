@@ -17,6 +17,7 @@ from dbo._checks import check_num_ubatches
 from dbo._context import current_context
 from dbo._decide import decided_parts
 from dbo._pool import runner_pool
+from dbo._torch_private import private
 from dbo.backward import attach, own_leaves
 from dbo.runner import check_timeout
 from dbo.split import UBatchInputs, checked_ubatch_inputs, default_merge, split_parts
@@ -190,7 +191,7 @@ class Overlapped:
         # The ubatch threads do not see a torch.func transform or a mode of this thread;
         # with a decision group this rank still votes, so that every rank runs inline.
         must_inline = (
-            torch._C._functorch.peek_interpreter_stack() is not None  # grad, vmap, jvp, ...
+            private.transform_on_stack() is not None  # grad, vmap, jvp, ...
             or _thread_settings.unreplayed_mode_active()
         )
         if must_inline and options.decision_group is None:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import torch
+from dbo._torch_private import private
 
 CALLER = -1  # the `ubatch_id` of spans recorded outside a ubatch thread
 
@@ -204,15 +204,15 @@ def _label(ubatch_id: int) -> str:
 def begin_range(track: int, what: str) -> Any:
     """Begin a `torch.profiler` range (`record_function`) named `dbo/ubatch{track}/{what}`
     (`dbo/caller/...` for `CALLER`) on this thread; `end_range` ends it on the same thread.
-    Callers check `torch.autograd.profiler._is_profiler_enabled` first."""
+    Callers check `profiling()` first."""
     label = _label(track).replace(" ", "")
-    return torch.ops.profiler._record_function_enter_new(f"dbo/{label}/{what}", None)
+    return private.enter_profiler_range(f"dbo/{label}/{what}", None)
 
 
 def end_range(handle: Any) -> None:
     """End a `begin_range` range (None: none was begun)."""
     if handle is not None:
-        torch.ops.profiler._record_function_exit._RecordFunction(handle)
+        private.exit_profiler_range(handle)
 
 
 _active: Trace | None = None  # read by the baton and `comm` at every handoff and wait
