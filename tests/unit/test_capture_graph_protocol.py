@@ -17,6 +17,7 @@ import dbo
 import dbo.graphs
 import workspace
 from dbo._context import num_registered_threads
+from dbo._torch_private import private
 
 
 class FakeCapture:
@@ -337,10 +338,9 @@ def test_a_failed_capture_keeps_its_graph_alive_and_its_pool_is_refused_after(
     released: list[Any] = []
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda index, pool: None,
-                        raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_releasePool",
-                        lambda index, pool: released.append(pool), raising=False)
+    private.release_pool  # noqa: B018 - loaded first, so the fakes below are not overwritten
+    monkeypatch.setattr(private, "end_allocate_to_pool", lambda index, pool: None)
+    monkeypatch.setattr(private, "release_pool", lambda index, pool: released.append(pool))
     monkeypatch.setattr(dbo.graphs._Capture, "failed_graphs", [])
     monkeypatch.setattr(dbo.graphs._Capture, "failed_pools", set())
     pool = (7, 7)
