@@ -9,14 +9,18 @@ fixed-shape MoE path under `set_sync_debug_mode("error")`, the MoE example on on
 rank (dynamic and fixed-shape), eager vs graph-replayed DBO at decode sizes, a captured
 decode step of a Hugging Face MoE model against eager DBO generation, bf16 GEMMs
 against `EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
-`num_alloc_retries`. The run keeps to a budget of 7 minutes (`BUDGET_S`) whatever hangs:
-each step's limit is cut to what is left, a step with no time left is reported as not
-run, and a preflight that timed out or crashed (a cold start) runs once more. The NCCL
-steps run as rank 0 of a world of one (the env:// variables set here, no torchrun).
-Written to OUTDIR after every step (a killed run still leaves a whole report, the steps
-not reached marked not run): gpu_check.md, gpu_check.json (the same, with every step's
-result), <step>.log. Exit status 0 when every step passed, else 1: a step failed, timed
-out or did not run, a result was wrong, or a goal was missed.
+`num_alloc_retries`. Before them, the wheels `benchmarks/gpu_wheels.py` downloads (a
+tested `transformers`; bench-out/gpu-wheels, carried with the checkout) are installed into
+OUTDIR/pylib for the steps; without a tested `transformers`, the steps that need one are
+reported as skipped, with why, and do not fail the run. The run keeps to a budget of 7
+minutes (`BUDGET_S`) whatever hangs: each step's limit is cut to what is left, a step
+with no time left is reported as not run, and a preflight that timed out or crashed (a
+cold start) runs once more. The NCCL steps run as rank 0 of a world of one (the env://
+variables set here, no torchrun). Written to OUTDIR after every step (a killed run still
+leaves a whole report, the steps not reached marked not run): gpu_check.md,
+gpu_check.json (the same, with every step's result), <step>.log. Exit status 0 when every
+step passed or was skipped, else 1: a step failed, timed out or did not run, a result was
+wrong, or a goal was missed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,6 +70,9 @@ class Step:
     world_of_one: bool = False
     """Run as rank 0 of a world of one: the env:// variables torchrun would set, set here
     (one interpreter, no torchrun agent to start or to outlive its timeout)."""
+    needs_transformers: bool = False
+    """Skipped, with why, when the preflight finds no `transformers` of dbo's tested
+    releases (neither the machine's nor one carried as wheels)."""
 
 
 def last_json_line(output: str) -> Result | None:
@@ -89,6 +97,14 @@ if facts["cuda_available"]:
                  devices=torch.cuda.device_count(),
                  nccl=".".join(map(str, torch.cuda.nccl.version()))
                  if torch.distributed.is_nccl_available() else "none")
+try:
+    import transformers
+    facts["transformers"] = transformers.__version__
+except Exception as error:  # absent, or its own version checks refuse the machine's hub
+    facts["transformers"] = None
+    facts["transformers_error"] = f"{type(error).__name__}: {error}"[:300]
+from dbo.hf.versions import is_tested
+facts["transformers_tested"] = bool(facts["transformers"]) and is_tested(facts["transformers"])
 print(json.dumps(facts))
 """
 
@@ -316,7 +332,8 @@ STEPS = (
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
          ("benchmarks/graph_replay.py", "--json"), 30, _graph),
     Step("generate-graph", "a captured decode step of a HF MoE model vs eager DBO generation",
-         ("benchmarks/generate_graph.py", "--json"), 30, _generate_graph, world_of_one=True),
+         ("benchmarks/generate_graph.py", "--json"), 30, _generate_graph, world_of_one=True,
+         needs_transformers=True),
     Step("overlap", "communication hidden behind bf16 GEMMs",
          ("benchmarks/overlap_efficiency.py", "--device", "cuda", "--layers", "32",
           "--rounds", "7", "--configs", "0.1:0.1:2,0.2:0.2:2,0.5:0.5:2,1:1:2,2:2:2", "--json"),
@@ -330,10 +347,13 @@ file system: the preflight, the first to import it, has the most room for it."""
 
 
 def _environment(out: Path, world_of_one: bool, extra: dict[str, str]) -> dict[str, str]:
-    """The steps' environment: dbo, comm and workspace from this checkout (not installed);
-    matplotlib drawing to files with a writable cache; NCCL warnings only (unless set);
-    for a world of one, what torchrun would set, on a free port."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    """The steps' environment: dbo, comm and workspace from this checkout (not installed),
+    then the carried wheels (`install_wheels`); matplotlib drawing to files with a writable
+    cache; NCCL warnings only (unless set); for a world of one, what torchrun would set,
+    on a free port."""
+    carried = out / PYLIB if (out / PYLIB).is_dir() else None
+    path = os.pathsep.join(str(part) for part in (ROOT, carried, os.environ.get("PYTHONPATH"))
+                           if part)
     (out / "mplconfig").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
            "DBO_IN_GPU_CHECK": "1",  # gpu tests that run a step's script skip: the step runs it
@@ -344,6 +364,33 @@ def _environment(out: Path, world_of_one: bool, extra: dict[str, str]) -> dict[s
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     return env
+
+
+PYLIB = "pylib"
+"""OUTDIR's folder for the carried wheels, first on the steps' path after the checkout."""
+WHEELS = Path("bench-out") / "gpu-wheels"
+"""Where `benchmarks/gpu_wheels.py` puts the wheels (relative to the checkout)."""
+
+
+def install_wheels(wheels: Path, out: Path) -> str:
+    """Install every wheel in `wheels` into OUTDIR/pylib (no index, no dependencies: the
+    folder holds what is needed), for the steps; what was done, for the report."""
+    shutil.rmtree(out / PYLIB, ignore_errors=True)
+    found = sorted(wheels.glob("*.whl"))
+    if not found:
+        return f"none carried (no wheels in {wheels}; python benchmarks/gpu_wheels.py makes them)"
+    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+               "--no-deps", "--no-index", "--target", str(out / PYLIB), *map(str, found)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        done = None
+    if done is None or done.returncode != 0:
+        shutil.rmtree(out / PYLIB, ignore_errors=True)
+        why = "timed out" if done is None else (done.stderr.strip().splitlines() or ["?"])[-1]
+        return f"{len(found)} wheels from {wheels} not installed ({why})"
+    names = ", ".join(path.name.split("-")[0] + " " + path.name.split("-")[1] for path in found)
+    return f"{len(found)} wheels installed from {wheels}: {names}"
 
 
 def _free_port() -> int:
@@ -441,6 +488,10 @@ def _machine(facts: Result) -> str:
     if not facts:
         return "Machine: unknown (the preflight did not report)"
     base = f"torch {facts['torch']}, Python {facts['python']}, {facts['cpus']} CPUs"
+    if "transformers" in facts:
+        tested = "tested" if facts.get("transformers_tested") else "not tested by dbo"
+        base += (f", transformers {facts['transformers'] or 'none'} ({tested}; carried "
+                 f"wheels: {facts.get('carried_wheels', 'none')})")
     if not facts.get("cuda_available"):
         return f"Machine: no CUDA device; {base}"
     return (f"GPU: {facts['gpu']}, {facts['gpu_memory_gib']} GiB, compute capability "
@@ -454,6 +505,10 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 
     return [line(header), "|" + "---|" * len(header), *map(line, rows)]
 
+
+OK = ("passed", "skipped")
+"""The statuses a passing run's steps have: a skipped step says why (a version the
+machine lacks), and is not a failure of dbo."""
 
 KEY_STEPS = ("overlap", "graph", "generate-graph", "moe-fixed", "moe-dynamic")
 """The steps whose first row is a key figure in the report's opening sentence."""
@@ -477,8 +532,8 @@ def report(records: list[Result], started: datetime.datetime, total_s: float,
     """The Markdown report and the JSON object of a run's step records."""
     preflight = records[0] if records and records[0]["name"] == "preflight" else None
     facts = (preflight["result"] or {}) if preflight else {}
-    passed = bool(records) and all(record["status"] == "passed" for record in records)
-    failing = [record for record in records if record["status"] != "passed"]
+    passed = bool(records) and all(record["status"] in OK for record in records)
+    failing = [record for record in records if record["status"] not in OK]
     if passed:
         verdict = "passed"
     elif preflight and preflight["status"] != "passed":
@@ -516,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [step.name for step in STEPS]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", metavar="OUTDIR", help="where the report and the logs go")
+    parser.add_argument("--wheels", metavar="DIR", default=str(ROOT / WHEELS),
+                        help="wheels to install for the steps (default: %(default)s)")
     parser.add_argument("--only", metavar="NAMES",
                         help=f"comma-separated steps to run (preflight always): {','.join(names)}")
     args = parser.parse_args(argv)
@@ -530,11 +587,17 @@ def main(argv: list[str] | None = None) -> int:
     records: list[Result] = []
     extra_env: dict[str, str] = {}
     nccl_failure = ""
+    carried = install_wheels(Path(args.wheels), out)
+    print(f"gpu_check: wheels: {carried}", file=sys.stderr, flush=True)
     for index, step in enumerate(steps):
         _write_report(out, records, steps[index:], started, begin, command)  # if killed now
         left_s = BUDGET_S - (time.monotonic() - begin)
         if records and records[0]["status"] != "passed":
             records.append(_record(step.name, step.title, "not run", "the preflight did not pass"))
+            continue
+        facts = (records[0]["result"] or {}) if records else {}
+        if step.needs_transformers and not facts.get("transformers_tested"):
+            records.append(_record(step.name, step.title, "skipped", _no_transformers(facts)))
             continue
         if nccl_failure and step.world_of_one:
             records.append(_record(step.name, step.title, "not run",
@@ -551,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {record['status']}: {record['why']}; once more (a cold start)",
                   file=sys.stderr, flush=True)  # a cold import of torch and CUDA is slow
             record = run_step(step, out, BUDGET_S - (time.monotonic() - begin))
+        if step.name == "preflight" and isinstance(record["result"], dict):
+            record["result"]["carried_wheels"] = carried
         if step.name == "nccl" and record["status"] != "passed":
             recipe = " ".join(f"{key}={value}" for key, value in NCCL_RECIPE.items())
             print(f"    {record['status']}: {record['why']}; once more with {recipe}",
@@ -571,6 +636,16 @@ def main(argv: list[str] | None = None) -> int:
     if not data["passed"]:
         print(f"gpu_check: {data['verdict']}; report: {out / 'gpu_check.md'}", file=sys.stderr)
     return 0 if data["passed"] else 1
+
+
+def _no_transformers(facts: Result) -> str:
+    """Why a step that needs a tested `transformers` does not run."""
+    from_dbo = "dbo.hf.versions.TESTED_TRANSFORMERS"
+    found = (f"transformers {facts['transformers']} is not one of dbo's tested releases "
+             f"({from_dbo})" if facts.get("transformers") else
+             f"no transformers imports ({facts.get('transformers_error', 'not installed')})")
+    return (f"{found}; carried wheels: {facts.get('carried_wheels', 'none')}; carry a tested "
+            "one: python benchmarks/gpu_wheels.py, then bench-out/gpu-wheels with the checkout")
 
 
 def _failure_line(record: Result) -> str:

@@ -5,7 +5,9 @@
 # /usr/local/bin/python3 and /opt/conda/bin/python whose torch sees a CUDA device (else
 # python3, whose preflight then says there is none); the one used is named on stderr.
 # Writes OUTDIR/gpu_check.md, gpu_check.json and a log per step; exit status 0 when every
-# step passed. The steps and their timeouts (7 minutes in all): benchmarks/gpu_check.py.
+# step passed or was skipped. The steps and their timeouts (7 minutes in all):
+# benchmarks/gpu_check.py. A tested transformers for the generation steps comes as wheels:
+# `python benchmarks/gpu_wheels.py` here, then bench-out/gpu-wheels with the checkout.
 set -euo pipefail
 if [ $# -lt 1 ]; then
     echo "usage: bash benchmarks/gpu_check.sh OUTDIR [--only STEP,...]" >&2

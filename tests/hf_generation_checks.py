@@ -33,6 +33,19 @@ WINDOW = 4
 SLIDING = ("gpt_oss", "mistral")
 
 
+def skip_unless_tested_transformers() -> None:
+    """Skip the calling test module unless `transformers` is one of dbo's tested releases
+    (a GPU machine's own may be older: `benchmarks/gpu_check.sh` carries a tested one)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from dbo.hf.versions import TESTED_TRANSFORMERS, is_tested
+
+    if not is_tested(transformers.__version__):
+        pytest.skip(f"transformers {transformers.__version__} is not one of dbo's tested "
+                    f"releases ({' to '.join(TESTED_TRANSFORMERS)})", allow_module_level=True)
+
+
 def tiny_model(kind: str, num_experts: int = 4) -> torch.nn.Module:
     """A 2-layer random-weight causal LM of `kind`, generating with a KV cache."""
     import transformers

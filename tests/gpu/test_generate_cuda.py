@@ -12,10 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_generation_checks import both, prompts, tiny_model  # noqa: E402
+from hf_generation_checks import (  # noqa: E402
+    both,
+    prompts,
+    skip_unless_tested_transformers,
+    tiny_model,
+)
+
+skip_unless_tested_transformers()
 
 pytestmark = pytest.mark.gpu
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from world_of_one import run_world_of_one
 
-pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_generation_checks import skip_unless_tested_transformers  # noqa: E402
+
+skip_unless_tested_transformers()
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(os.environ.get("DBO_IN_GPU_CHECK") == "1",

@@ -528,3 +528,99 @@ def test_the_overlap_benchmark_times_each_transfer_as_it_runs_in_the_overlap() -
     assert len(times._pairs) == 3 * 2  # every transfer of both ubatches, bracketed
     assert times.take_mean_s() == pytest.approx(0.003)  # consecutive ticks, 3 ms apart
     assert times._pairs == [] and times.take_mean_s() != times.take_mean_s()  # nan: none
+
+
+def _wheel(directory: Path, name: str, version: str, source: str) -> Path:
+    """A pure-Python wheel of one module `name` holding `source`."""
+    import zipfile
+
+    path = directory / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": source,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{file},,\n" for file in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as archive:
+        for file, text in files.items():
+            archive.writestr(file, text)
+    return path
+
+
+def test_the_carried_wheels_are_installed_for_the_steps_and_named_in_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "carriedpkg", "1.2", "VERSION = '1.2'\n")
+    _write(tmp_path, {"preflight.py": f"print({json.dumps(FACTS)!r})",
+                      "uses.py": "import carriedpkg, json\n"
+                                 "print(json.dumps({'x': float(carriedpkg.VERSION), "
+                                 "'cuda_alloc_retries': 0}))"})
+    steps = (gpu_check.Step("preflight", "CUDA", ("preflight.py",), 10, JUDGES["preflight"].judge),
+             _step("uses", "uses.py", timeout_s=30))
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    assert gpu_check.main([str(tmp_path / "out"), "--wheels", str(wheels)]) == 0
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert data["steps"][1]["result"] == {"x": 1.2, "cuda_alloc_retries": 0}
+    assert data["machine"]["carried_wheels"].startswith("1 wheels installed from")
+    assert "carriedpkg 1.2" in data["machine"]["carried_wheels"]
+    assert gpu_check.install_wheels(tmp_path / "none", tmp_path / "out").startswith("none carried")
+    assert not (tmp_path / "out" / gpu_check.PYLIB).exists()  # an earlier run's is gone
+
+
+@pytest.mark.parametrize(("version", "why"), [
+    ("5.17.0", "transformers 5.17.0 is not one of dbo's tested releases"),
+    (None, "no transformers imports (ImportError: huggingface-hub>=2.4.0 is required"),
+])
+def test_a_step_needing_transformers_is_skipped_with_why_and_the_run_passes_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str | None, why: str
+) -> None:
+    facts = {**FACTS, "transformers": version, "transformers_tested": False,
+             "transformers_error": "ImportError: huggingface-hub>=2.4.0 is required"}
+    _write(tmp_path, {"preflight.py": f"print({json.dumps(facts)!r})",
+                      "good.py": 'print(\'{"x": 2.0, "cuda_alloc_retries": 0}\')',
+                      "never.py": "open('ran', 'w')"})
+    steps = (gpu_check.Step("preflight", "CUDA", ("preflight.py",), 10, JUDGES["preflight"].judge),
+             _step("good", "good.py"),
+             gpu_check.Step("hf", "needs transformers", ("never.py",), 10, _x_rows,
+                            needs_transformers=True))
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "STEPS", steps)
+    assert gpu_check.main([str(tmp_path / "out")]) == 0
+    assert not (tmp_path / "ran").exists()
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    hf = data["steps"][2]
+    assert hf["status"] == "skipped" and hf["why"].startswith(why), hf["why"]
+    assert "python benchmarks/gpu_wheels.py" in hf["why"]
+    assert data["verdict"] == "passed"
+    assert "hf skipped (" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def test_the_preflight_reports_the_transformers_it_imports_and_whether_dbo_tested_it(
+    tmp_path: Path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from dbo.hf.versions import is_tested
+
+    facts = gpu_check.run_step(JUDGES["preflight"], tmp_path, 60)["result"]
+    assert facts["transformers"] == transformers.__version__
+    assert facts["transformers_tested"] is is_tested(transformers.__version__)
+    generate = [step for step in gpu_check.STEPS if step.needs_transformers]
+    assert [step.name for step in generate] == ["generate-graph"]
+
+
+def test_the_wheels_carried_to_the_gpu_machine_are_pinned_and_hold_a_tested_transformers() -> None:
+    from dbo.hf.versions import is_tested
+
+    path = ROOT / "benchmarks" / "gpu_wheels.py"
+    spec = importlib.util.spec_from_file_location("gpu_wheels", path)
+    assert spec is not None and spec.loader is not None
+    gpu_wheels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_wheels)
+    wanted = gpu_wheels.requirements(gpu_wheels.pins())
+    assert len(wanted) == len(gpu_wheels.CARRIED) and wanted[0].startswith("transformers==")
+    assert is_tested(wanted[0].split("==")[1])
+    with pytest.raises(SystemExit, match="pins no transformers"):
+        gpu_wheels.requirements({})
