@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm  # noqa: E402
 import dbo  # noqa: E402
-from dbo._wakeup import new_wakeup  # noqa: E402
+from dbo.runtime.wakeup import new_wakeup  # noqa: E402
 
 WORLD_SIZE = 2
 HIDDEN = 64
@@ -243,7 +243,7 @@ class TwoThreads:
     each ubatch in its own OS thread.
 
     Thread u runs ubatch u's loop; where DBO yields, it wakes the other thread and parks
-    on its own wake-up. The wake-ups are the kind dbo's baton uses (`dbo._wakeup`), so
+    on its own wake-up. The wake-ups are the kind dbo's baton uses (`dbo.runtime.wakeup`), so
     the difference from DBO is dbo's own work. The threads persist across
     steps (like dbo's workers) and use one intra-op thread (dbo replays the caller's
     setting the same way).

@@ -5,7 +5,7 @@
 Prints microseconds per handoff for:
   - dbo: two ubatches calling `dbo.yield_()` in a loop (one yield = one handoff);
   - raw lock: two threads ping-ponging with `_thread` locks (the floor for a handoff
-    through locks; the baton's eventfd wake-ups, `dbo._wakeup`, beat it on Linux by
+    through locks; the baton's eventfd wake-ups, `dbo.runtime.wakeup`, beat it on Linux by
     waking the next thread with the GIL already released);
   - Event ring: the same with `threading.Event` (what a naive implementation uses);
 and the ratios to the raw lock. Rounds interleave the three; the table shows medians

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import comm  # noqa: E402
 import dbo  # noqa: E402
-from dbo._wakeup import new_wakeup  # noqa: E402
+from dbo.runtime.wakeup import new_wakeup  # noqa: E402
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
@@ -57,7 +57,7 @@ def _per_call_us(fn: Callable[[], Any], calls: int) -> float:
 
 class BareThreads:
     """Two persistent threads, each started per call and parked between turns on the
-    wake-ups dbo's baton uses (`dbo._wakeup`: an eventfd on Linux), joined through
+    wake-ups dbo's baton uses (`dbo.runtime.wakeup`: an eventfd on Linux), joined through
     `_thread` locks: what any runtime running each ubatch in its own thread pays per
     call, at least."""
 

@@ -30,18 +30,18 @@ from typing import Any
 import torch
 
 import dbo
-from dbo import _wakeup
+from dbo.runtime import wakeup
 
 
 def _runner_with(kind: type) -> dbo.UBatchRunner:
     """A runner whose workers park on wake-ups of `kind` (each worker asks
-    `_wakeup.new_wakeup` for its wake-up when the runner is created)."""
-    default = _wakeup.new_wakeup
-    _wakeup.new_wakeup = kind  # type: ignore[assignment]
+    `wakeup.new_wakeup` for its wake-up when the runner is created)."""
+    default = wakeup.new_wakeup
+    wakeup.new_wakeup = kind  # type: ignore[assignment]
     try:
         return dbo.UBatchRunner(num_ubatches=2)
     finally:
-        _wakeup.new_wakeup = default
+        wakeup.new_wakeup = default
 
 
 def _switches() -> int:
@@ -88,7 +88,7 @@ def main() -> None:
         "--json", action="store_true", help="end with one JSON line of the results"
     )
     args = parser.parse_args()
-    if _wakeup.EventfdWakeup not in _wakeup.kinds():
+    if wakeup.EventfdWakeup not in wakeup.kinds():
         reason = "no eventfd on this platform: the baton uses locks, nothing to compare"
         if args.json:
             print(json.dumps({"skipped": reason}))
@@ -96,8 +96,8 @@ def main() -> None:
         raise SystemExit(reason)
     torch.set_num_threads(1)
     runners = {
-        "lock": _runner_with(_wakeup.LockWakeup),
-        "eventfd": _runner_with(_wakeup.EventfdWakeup),
+        "lock": _runner_with(wakeup.LockWakeup),
+        "eventfd": _runner_with(wakeup.EventfdWakeup),
     }
     print(f"{'call':<14}{'lock us':>9}{'eventfd us':>12}{'eventfd/lock':>14}"
           f"{'switches: lock':>16}{'eventfd':>9}")

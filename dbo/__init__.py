@@ -22,11 +22,20 @@ enabled, one ubatch), so model code written for DBO also runs without it.
 
 from dbo import hf
 from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
-from dbo._pool import close_default_runners
-from dbo.api import (
+from dbo.errors import OverlapTimeoutError, UBatchAbortedError
+from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph
+from dbo.overlap import overlap
+from dbo.runtime.pool import close_default_runners
+from dbo.runtime.runner import RunnerState, UBatchRunner, wait_at_exit
+from dbo.split.batch import default_merge, default_split, merge_parts
+from dbo.split.rules import register_split_rule
+from dbo.split.tokens import TokenSplit, balanced_token_split
+from dbo.tracing import Trace, trace
+from dbo.ubatch import (
     at_ubatch_exit,
     backward_state,
     blocking_wait,
+    capturing,
     current_stream,
     current_ubatch_id,
     enabled,
@@ -40,16 +49,8 @@ from dbo.api import (
     yield_,
     yield_and_switch_to_comm,
     yield_and_switch_to_compute,
+    yield_between,
 )
-from dbo.errors import OverlapTimeoutError, UBatchAbortedError
-from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph, capturing
-from dbo.hooks import yield_between
-from dbo.overlap import overlap
-from dbo.runner import RunnerState, UBatchRunner, wait_at_exit
-from dbo.split import default_merge, default_split, merge_parts
-from dbo.stateful import register_split_rule
-from dbo.token_split import TokenSplit, balanced_token_split
-from dbo.tracing import Trace, trace
 
 __all__ = [
     "MAX_NUM_UBATCHES", "OverlapGraph", "OverlapTimeoutError", "RunnerState", "TokenSplit",

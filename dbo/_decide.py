@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from dbo._torch_private import private
-from dbo.split import UBatchInputs, batch_size_of, check_objects, splittable_leaves
+from dbo.split.batch import UBatchInputs, batch_size_of, check_objects, splittable_leaves
 
 
 def decided_parts(

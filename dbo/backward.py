@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from dbo._torch_private import private
-from dbo.split import UBatchInputs, flat_arguments, flatten
+from dbo.split.batch import UBatchInputs, flat_arguments, flatten
 
 RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
 """`run_ubatches(fn, [(args_i, kwargs_i), ...]) -> [fn(*args_i, **kwargs_i), ...]`, each in

@@ -13,14 +13,20 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 from dbo._checks import check_num_ubatches
-from dbo._context import current_context
-from dbo._pool import runner_pool
 from dbo._torch_private import private
-from dbo.api import run_state
-from dbo.device import CudaBackend
+from dbo.device.cuda import CudaBackend
 from dbo.overlap import Overlapped
-from dbo.runner import UBatchRunner
-from dbo.split import UBatchInputs, batch_size_of, default_merge, split_parts, splittable_leaves
+from dbo.runtime.context import current_context
+from dbo.runtime.pool import runner_pool
+from dbo.runtime.runner import UBatchRunner
+from dbo.split.batch import (
+    UBatchInputs,
+    batch_size_of,
+    default_merge,
+    split_parts,
+    splittable_leaves,
+)
+from dbo.ubatch import IN_CAPTURE, run_state
 
 CAPTURE_ERROR_MODE = "global"
 """The capture's `cudaStreamCaptureMode`. A kernel any thread launches onto a stream that
@@ -30,10 +36,6 @@ ubatch threads, which launch `fn`'s work, so an unsafe call there fails the capt
 ("thread_local" would watch only this thread, which waits for the baton); torch's
 allocator relaxes it around its own cudaMalloc. No other thread may make such calls
 meanwhile."""
-
-_IN_CAPTURE = "dbo.capture_graph"
-"""The `dbo.run_state()` key that marks the runs of `capture_graph`, warmup included."""
-
 
 class OverlapGraph:
     """An overlapped call captured by `dbo.capture_graph`; replays with no threads.
@@ -131,17 +133,6 @@ def capture_graph(
     return OverlapGraph(capture.graph, static_inputs, outputs)
 
 
-def capturing() -> bool:
-    """Whether this call is part of a CUDA-graph capture: from a ubatch of a
-    `capture_graph` run (its warmup included, so that a refusal comes before anything is
-    captured) or on a capturing CUDA stream. For library code that cannot be captured
-    (host reads, shapes that depend on the data) to refuse with its own message."""
-    state = run_state()
-    return bool(state is not None and state.get(_IN_CAPTURE)) or (
-        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
-    )
-
-
 def _checked_arguments(fn: Any, num_ubatches: Any, warmup: Any, pool: Any) -> int:
     """`capture_graph`'s argument checks; the ubatch count."""
     if not callable(fn):
@@ -206,7 +197,7 @@ def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
     def in_capture_graph(*args: Any, **kwargs: Any) -> Any:
         state = run_state()
         assert state is not None, "capture_graph runs fn in the ubatch threads of a run"
-        state[_IN_CAPTURE] = True
+        state[IN_CAPTURE] = True
         return fn(*args, **kwargs)
 
     return in_capture_graph

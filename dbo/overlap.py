@@ -12,15 +12,16 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from dbo import _thread_settings, tracing
+from dbo import tracing
 from dbo._checks import check_num_ubatches
-from dbo._context import current_context
 from dbo._decide import decided_parts
-from dbo._pool import runner_pool
 from dbo._torch_private import private
 from dbo.backward import attach, own_leaves
-from dbo.runner import check_timeout
-from dbo.split import UBatchInputs, checked_ubatch_inputs, default_merge, split_parts
+from dbo.runtime import thread_settings
+from dbo.runtime.context import current_context
+from dbo.runtime.pool import runner_pool
+from dbo.runtime.runner import check_timeout
+from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, default_merge, split_parts
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -192,7 +193,7 @@ class Overlapped:
         # with a decision group this rank still votes, so that every rank runs inline.
         must_inline = (
             private.transform_on_stack() is not None  # grad, vmap, jvp, ...
-            or _thread_settings.unreplayed_mode_active()
+            or thread_settings.unreplayed_mode_active()
         )
         if must_inline and options.decision_group is None:
             return self._inline(args, kwargs)
@@ -241,7 +242,7 @@ class Overlapped:
         # A recomputation (checkpointing around the call) reruns the whole call.
         backward = (
             options.overlap_backward and torch.is_grad_enabled()
-            and not _thread_settings.saved_tensors_hooks_active()
+            and not thread_settings.saved_tensors_hooks_active()
         )
         if backward:
             inputs, own, replaced = own_leaves(inputs)

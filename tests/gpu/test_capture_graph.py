@@ -161,8 +161,8 @@ def test_a_failed_capture_leaves_no_stream_capturing_and_the_runner_usable(failu
 
 def test_the_capture_stream_is_one_of_dbos_own_streams_and_goes_back_after() -> None:
     """Not one of torch's pool, which NCCL's internal streams come from."""
-    from dbo._context import current_context
-    from dbo.device import _own_streams
+    from dbo.device.cuda import _own_streams
+    from dbo.runtime.context import current_context
 
     if torch.version.hip:
         pytest.skip("HIP streams come from torch's pool")

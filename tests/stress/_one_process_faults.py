@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-import dbo.runner
+import dbo.runtime.runner
 
 MAX_DELAY_S = 1.0
 """The longest the caller may take to raise after the fault."""
@@ -169,7 +169,7 @@ def workers_in_a_job() -> list[str]:
 
 def pooled_worker_threads() -> set[threading.Thread]:
     """The worker threads of the runners `dbo.overlap` keeps idle."""
-    pool = dbo._pool.runner_pool
+    pool = dbo.runtime.pool.runner_pool
     with pool._lock:
         return {thread for _, runner in pool._idle for thread in runner.threads}
 
@@ -231,7 +231,7 @@ def main() -> None:
     for case in cases:
         check(case, baseline)
     # What the exit would wait for (`dbo.wait_at_exit`): nothing may be left running.
-    assert not any(still_running(0) for still_running in dbo.runner._left_running)
+    assert not any(still_running(0) for still_running in dbo.runtime.runner._left_running)
     print(f"ok {len(cases)} cases {time.time()}", flush=True)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dbo.device import CpuBackend, CpuEvent, CpuStream
+from dbo.device.backends import CpuBackend, CpuEvent, CpuStream
 
 
 class Recording(CpuBackend):

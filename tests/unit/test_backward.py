@@ -327,7 +327,7 @@ def test_a_failing_ubatch_backward_reaches_the_caller_and_the_next_step_is_right
     finally:
         _FailInBackward.fail_in = None
     assert getattr(failure.value, "ubatch_id", None) == 1
-    assert dbo._context.num_registered_threads() == 0
+    assert dbo.runtime.context.num_registered_threads() == 0
     assert _bitwise(_grads(model, x, step), _grads(model, x, _in_turn(block)))
 
 

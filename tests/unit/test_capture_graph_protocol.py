@@ -16,8 +16,8 @@ import comm
 import dbo
 import dbo.graphs
 import workspace
-from dbo._context import num_registered_threads
 from dbo._torch_private import private
+from dbo.runtime.context import num_registered_threads
 
 
 class FakeCapture:

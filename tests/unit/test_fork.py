@@ -113,7 +113,7 @@ def test_locks_held_at_the_fork_block_nothing_and_the_child_records_its_own_trac
     try:
         with dbo.trace() as parents:
             dbo.overlap(lambda t: t + 1)(x)
-            with parents._lock, dbo._pool.runner_pool._lock:  # "another thread"
+            with parents._lock, dbo.runtime.pool.runner_pool._lock:  # "another thread"
                 pid = os.fork()
             if pid == 0:
                 with dbo.trace() as own:

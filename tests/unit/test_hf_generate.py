@@ -1,5 +1,5 @@
 """`model.generate` under DBO in one process: token-identical to `generate` without it,
-with each ubatch on its own rows of the KV cache (`dbo.hf`, `dbo._hf_cache`)."""
+with each ubatch on its own rows of the KV cache (`dbo.hf`, `dbo.hf.cache`)."""
 
 from __future__ import annotations
 

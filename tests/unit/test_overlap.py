@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 import dbo
-from dbo._context import num_registered_threads
+from dbo.runtime.context import num_registered_threads
 
 
 def layered(x: torch.Tensor, weight: torch.Tensor, num_layers: int = 4) -> torch.Tensor:

@@ -178,14 +178,13 @@ def test_ubatch_threads_of_a_pinned_caller_never_serve_an_unpinned_one() -> None
 def test_idle_runners_are_bounded_and_the_least_recently_used_go_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from dbo.runtime import affinity
 
-    from dbo import _affinity
-
-    pool = dbo._pool.runner_pool
+    pool = dbo.runtime.pool.runner_pool
     dbo.close_default_runners()
     caller_cpus: list[frozenset[int]] = [frozenset({0})]
-    monkeypatch.setattr(_affinity, "cpus_of_this_thread", lambda: caller_cpus[0])
-    monkeypatch.setattr(_affinity, "restore", lambda cpus: None)  # no real re-pinning
+    monkeypatch.setattr(affinity, "cpus_of_this_thread", lambda: caller_cpus[0])
+    monkeypatch.setattr(affinity, "restore", lambda cpus: None)  # no real re-pinning
 
     def worker_threads() -> set[int]:
         seen: set[int] = set()
@@ -213,13 +212,13 @@ def test_idle_runners_are_bounded_and_the_least_recently_used_go_first(
 def test_a_refused_affinity_query_does_not_break_overlaps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dbo import _affinity
+    from dbo.runtime import affinity
 
     def refuse(pid: int) -> set[int]:
         raise PermissionError("sched_getaffinity is not allowed here")
 
-    monkeypatch.setattr(_affinity, "_get_affinity", refuse)
-    assert _affinity.cpus_of_this_thread() is None
+    monkeypatch.setattr(affinity, "_get_affinity", refuse)
+    assert affinity.cpus_of_this_thread() is None
     assert torch.equal(_overlap(lambda x: x + 1)(torch.zeros(4)), torch.ones(4))
 
 

@@ -12,9 +12,9 @@ import torch
 from _recording_backend import Recording
 
 import dbo
-from dbo._context import current_context
-from dbo._run import _MAX_RECV_HOOK_ROUNDS, OverlapRun, UBatchStreams
-from dbo.device import CpuStream
+from dbo.device.backends import CpuStream
+from dbo.runtime.context import current_context
+from dbo.runtime.run import _MAX_RECV_HOOK_ROUNDS, OverlapRun, UBatchStreams
 
 TIMEOUT_S = 30.0
 

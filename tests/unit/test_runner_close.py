@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import dbo
-from dbo import _worker
-from dbo import runner as runner_module
-from dbo.runner import RunnerState
+from dbo.runtime import runner as runner_module
+from dbo.runtime import worker
+from dbo.runtime.runner import RunnerState
 
 
 def _start_daemon(target, *args) -> threading.Thread:  # type: ignore[no-untyped-def]
@@ -168,7 +168,7 @@ def test_close_while_jobs_are_being_submitted_aborts_the_run(
 ) -> None:
     """close() during the hand-out of the jobs aborts the run: every ubatch unwinds,
     the one whose job came after the abort too, and the caller gets the abort."""
-    original_submit = _worker.Worker.submit
+    original_submit = worker.Worker.submit
     reached, gate = threading.Event(), threading.Event()
     calls: list[int] = []
 
@@ -179,7 +179,7 @@ def test_close_while_jobs_are_being_submitted_aborts_the_run(
             gate.wait(timeout=10)
         original_submit(self, job)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_worker.Worker, "submit", slow_second_submit)
+    monkeypatch.setattr(worker.Worker, "submit", slow_second_submit)
     runner = dbo.UBatchRunner(num_ubatches=2)
     outcome: list[object] = []
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import dbo
-from dbo.baton import Baton
-from dbo.runner import UBatchRunner
+from dbo.runtime.baton import Baton
+from dbo.runtime.runner import UBatchRunner
 
 
 @pytest.mark.timeout(60)

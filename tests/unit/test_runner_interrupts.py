@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import dbo
-from dbo import _worker
-from dbo import runner as runner_module
-from dbo.baton import Baton
-from dbo.runner import RunnerState, UBatchRunner
+from dbo.runtime import runner as runner_module
+from dbo.runtime import worker
+from dbo.runtime.baton import Baton
+from dbo.runtime.runner import RunnerState, UBatchRunner
 
 
 def _interrupted_wait(self: UBatchRunner, run: object, timeout_s: float | None) -> None:
@@ -53,7 +53,7 @@ def test_an_interrupt_inside_submit_leaves_the_runner_usable(
 ) -> None:
     """An interrupt between handing a job to a worker and waking it: the job is revoked
     (it never runs), counted as finished, and the next run works."""
-    original = _worker.Worker.submit
+    original = worker.Worker.submit
     calls: list[int] = []
 
     def interrupted_second_submit(self: object, job: object) -> None:
@@ -66,10 +66,10 @@ def test_an_interrupt_inside_submit_leaves_the_runner_usable(
     ran: list[int] = []
     with dbo.UBatchRunner(num_ubatches=2) as runner:
         parts = [((torch.zeros(1),), {}), ((torch.zeros(1),), {})]
-        monkeypatch.setattr(_worker.Worker, "submit", interrupted_second_submit)
+        monkeypatch.setattr(worker.Worker, "submit", interrupted_second_submit)
         with pytest.raises(KeyboardInterrupt):
             runner.run(lambda x: ran.append(dbo.current_ubatch_id()), parts)
-        monkeypatch.setattr(_worker.Worker, "submit", original)
+        monkeypatch.setattr(worker.Worker, "submit", original)
         assert runner.state is RunnerState.IDLE
         assert 1 not in ran, "the revoked job must never run"
         out = runner.run(lambda x: x + dbo.current_ubatch_id(), parts, timeout_s=5)
@@ -82,7 +82,7 @@ def test_runner_dropped_after_an_interrupted_submit_stops_its_workers(
 ) -> None:
     """A revoked job left in its worker keeps nothing of the run: the runner is collected
     and its threads end, and the interrupted call's inputs are freed."""
-    original_submit = _worker.Worker.submit
+    original_submit = worker.Worker.submit
     calls: list[int] = []
 
     def interrupted_second_submit(self: object, job: object) -> None:
@@ -97,10 +97,10 @@ def test_runner_dropped_after_an_interrupted_submit_stops_its_workers(
     big_input = torch.zeros(1)
     input_ref = weakref.ref(big_input)
     parts = [((big_input,), {}), ((big_input,), {})]
-    monkeypatch.setattr(_worker.Worker, "submit", interrupted_second_submit)
+    monkeypatch.setattr(worker.Worker, "submit", interrupted_second_submit)
     with pytest.raises(KeyboardInterrupt):
         runner.run(lambda x: x, parts)
-    monkeypatch.setattr(_worker.Worker, "submit", original_submit)
+    monkeypatch.setattr(worker.Worker, "submit", original_submit)
 
     runner_ref = weakref.ref(runner)
     del runner, parts, big_input
@@ -229,7 +229,7 @@ def test_a_second_interrupt_right_after_a_revoke_still_lets_the_runner_recover(
     """The watchdog fires while ubatch 1 has not started; a second interrupt lands
     between revoking its job and counting it as finished. Once ubatch 0 returns, the
     runner is usable again."""
-    original_revoke = _worker.UBatchJob.revoke
+    original_revoke = worker.UBatchJob.revoke
 
     def revoke_then_interrupted(job: Any) -> bool:
         if original_revoke(job):
@@ -244,7 +244,7 @@ def test_a_second_interrupt_right_after_a_revoke_still_lets_the_runner_recover(
     x = torch.ones(2)
     with dbo.UBatchRunner(2) as runner:
         with monkeypatch.context() as patch:
-            patch.setattr(_worker.UBatchJob, "revoke", revoke_then_interrupted)
+            patch.setattr(worker.UBatchJob, "revoke", revoke_then_interrupted)
             with pytest.raises(KeyboardInterrupt):
                 runner.run(fn, [((x,), {}), ((x,), {})], timeout_s=0.2)
         deadline = time.monotonic() + 20

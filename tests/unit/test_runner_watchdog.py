@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import dbo
-from dbo import runner as runner_module
-from dbo.device import CpuBackend, CpuEvent, CpuStream
-from dbo.runner import RunnerState, UBatchRunner
+from dbo.device.backends import CpuBackend, CpuEvent, CpuStream
+from dbo.runtime import runner as runner_module
+from dbo.runtime.runner import RunnerState, UBatchRunner
 
 
 def _start_daemon(target, *args) -> threading.Thread:  # type: ignore[no-untyped-def]

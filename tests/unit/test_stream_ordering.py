@@ -20,11 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import comm
 import dbo
 from comm import collectives
-from dbo import device as device_module
-from dbo import runner as runner_module
-from dbo._context import current_context
-from dbo.device import CpuBackend, CpuEvent, CpuStream
-from dbo.runner import RunnerState
+from dbo.device import cuda as device_module
+from dbo.device.backends import CpuBackend, CpuEvent, CpuStream
+from dbo.runtime import runner as runner_module
+from dbo.runtime.context import current_context
+from dbo.runtime.runner import RunnerState
 
 
 @pytest.fixture
@@ -157,15 +157,15 @@ def test_the_caller_kv_cache_is_brought_up_to_date_after_every_ubatchs_streams(
     exit callback: its stream first waits for every ubatch's streams, so that no write a
     ubatch left queued races with it."""
     transformers = pytest.importorskip("transformers")
-    from dbo import _hf_cache
+    from dbo.hf import cache
 
-    bring_up_to_date = _hf_cache._Call._bring_up_to_date
+    bring_up_to_date = cache._Call._bring_up_to_date
 
     def logged(call: Any) -> None:
         log.append(("finish", _backend().current_stream().name))
         bring_up_to_date(call)
 
-    monkeypatch.setattr(_hf_cache._Call, "_bring_up_to_date", logged)
+    monkeypatch.setattr(cache._Call, "_bring_up_to_date", logged)
     config = transformers.Qwen2Config(num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=2, hidden_size=16)
     cache = transformers.StaticCache(config=config, max_cache_len=8)
@@ -221,9 +221,9 @@ def test_a_shared_cache_buffer_grows_after_every_ubatchs_streams(
     """A DynamicCache's buffer holds every ubatch's rows: growing it copies them, so the
     growing ubatch's stream first waits for every ubatch's streams."""
     transformers = pytest.importorskip("transformers")
-    from dbo import _hf_growing
+    from dbo.hf import dynamic
 
-    allocate = _hf_growing._SharedLayer._allocate
+    allocate = dynamic._SharedLayer._allocate
 
     def logged(shared: Any, *args: Any) -> None:
         inside = current_context() is not None  # not the first update, before the overlap
@@ -231,7 +231,7 @@ def test_a_shared_cache_buffer_grows_after_every_ubatchs_streams(
         allocate(shared, *args)
         log.append(("grown",))
 
-    monkeypatch.setattr(_hf_growing._SharedLayer, "_allocate", logged)
+    monkeypatch.setattr(dynamic._SharedLayer, "_allocate", logged)
     cache = transformers.DynamicCache()
     cache.update(torch.ones(4, 2, 3, 8), torch.ones(4, 2, 3, 8), 0)  # 3 tokens, room for 67
 

@@ -268,14 +268,14 @@ def test_a_turn_starts_when_its_thread_wakes_not_at_the_handoff(
     """The successor's wake-up is a gap between turns, not host work: with every
     wake-up made 50 ms slow, the turns of a do-nothing fn stay short and the 50 ms
     are gaps between them."""
-    from dbo import _wakeup
+    from dbo.runtime import wakeup
 
     step = _yielding(3)
     step(torch.zeros(4))  # warm: the pooled threads exist
     turns, gaps = _turns_and_gaps_before_ubatch_1(step)
     assert len(gaps) == 4 and all(gap >= 0 for gap in gaps)  # the control: real wake-ups
 
-    kind = type(_wakeup.new_wakeup())  # what the pooled workers park on
+    kind = type(wakeup.new_wakeup())  # what the pooled workers park on
     original_wait = kind.wait
 
     def slow_wait(self: Any) -> None:
@@ -323,7 +323,7 @@ def test_a_call_that_outlives_the_block_is_not_added_to_the_finished_trace() -> 
 def test_a_revoked_job_that_held_the_baton_records_no_turn() -> None:
     """The runner finishes a job revoked before it started (watchdog, interrupt) from the
     caller's thread: it held the baton but never ran, so no turn is recorded."""
-    from dbo.baton import Baton
+    from dbo.runtime.baton import Baton
 
     with dbo.trace() as timeline:
         baton = Baton(2)

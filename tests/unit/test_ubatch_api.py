@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import dbo
-from dbo import runner as runner_module
-from dbo.device import CpuBackend, CpuStream, distinct_streams
+from dbo.device.backends import CpuBackend, CpuStream
+from dbo.device.streams import distinct_streams
+from dbo.runtime import runner as runner_module
 
 # ----------------------------------------------------------------- outside an overlap
 

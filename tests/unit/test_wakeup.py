@@ -1,4 +1,4 @@
-"""Wake-ups (`dbo._wakeup`) and the baton's use of them: every kind keeps the handoff
+"""Wake-ups (`dbo.runtime.wakeup`) and the baton's use of them: every kind keeps the handoff
 contract, and a wake-up is only a hint (a left-over set never lets a ubatch run out of
 turn)."""
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import dbo
-from dbo import _wakeup
-from dbo.baton import Baton
 from dbo.errors import UBatchAbortedError
+from dbo.runtime import wakeup
+from dbo.runtime.baton import Baton
 
-KINDS = pytest.mark.parametrize("kind", _wakeup.kinds(), ids=lambda kind: kind.__name__)
+KINDS = pytest.mark.parametrize("kind", wakeup.kinds(), ids=lambda kind: kind.__name__)
 
 
 def _waiter(wakeup: object) -> threading.Thread:
@@ -65,16 +65,16 @@ def test_sets_coalesce_into_one_wake_up(kind: type) -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="eventfd is Linux-only")
 def test_linux_gets_eventfd_wake_ups() -> None:
     """The fast kind must not silently fall back to locks."""
-    assert type(_wakeup.new_wakeup()) is _wakeup.EventfdWakeup
+    assert type(wakeup.new_wakeup()) is wakeup.EventfdWakeup
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 def test_eventfd_wake_ups_close_their_descriptor_when_dropped() -> None:
-    if _wakeup.EventfdWakeup not in _wakeup.kinds():
+    if wakeup.EventfdWakeup not in wakeup.kinds():
         pytest.skip("no eventfd here")
     gc.collect()
     before = len(os.listdir("/proc/self/fd"))
-    wakeups = [_wakeup.EventfdWakeup() for _ in range(50)]
+    wakeups = [wakeup.EventfdWakeup() for _ in range(50)]
     assert len(os.listdir("/proc/self/fd")) >= before + 50
     del wakeups
     gc.collect()

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from dbo import _wakeup
+from dbo.runtime import wakeup
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "wakeup_kinds.py"
 
 
 @pytest.mark.skipif(
-    _wakeup.EventfdWakeup not in _wakeup.kinds(), reason="only one wake-up kind here"
+    wakeup.EventfdWakeup not in wakeup.kinds(), reason="only one wake-up kind here"
 )
 def test_wakeup_kinds_benchmark_prints_both_kinds_for_each_call() -> None:
     completed = subprocess.run(

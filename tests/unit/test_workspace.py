@@ -22,7 +22,7 @@ import torch
 
 import dbo
 import workspace
-from dbo._context import UBatchContext, registered
+from dbo.runtime.context import UBatchContext, registered
 from workspace import (
     ALIGNMENT_BYTES,
     WorkspaceAllocationError,

@@ -5,7 +5,7 @@ the next live ubatch of the ring 0 -> 1 -> ... -> n-1 -> 0. That makes the order
 which ubatches launch kernels and collectives the same on every rank and every run,
 which is what keeps collectives matched across ranks.
 
-Each ubatch parks on its own wake-up (`dbo._wakeup`); handing the baton to ubatch j is
+Each ubatch parks on its own wake-up (`dbo.runtime.wakeup`); handing the baton to ubatch j is
 one set of j's wake-up. A small mutex guards the bookkeeping so that the caller's
 watchdog can inspect and abort a run from outside.
 """
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dbo import tracing
 from dbo._checks import lock_timeout
 from dbo._torch_private import profiling
-from dbo._wakeup import Wakeup, new_wakeup
 from dbo.errors import UBatchAbortedError
+from dbo.runtime.wakeup import Wakeup, new_wakeup
 
 
 class Baton:

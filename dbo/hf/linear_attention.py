@@ -1,5 +1,5 @@
 """Each ubatch's linear-attention (Mamba) layers of a `transformers` cache split by rows
-(`dbo._hf_cache`): views of the rows of their conv and recurrent states, written in place.
+(`dbo.hf.cache`): views of the rows of their conv and recurrent states, written in place.
 
 - `StateRows`: rows of a `LinearAttentionLayer`'s states.
 - `HybridRows`, `SlidingHybridRows`, `StaticHybridRows`, `StaticSlidingHybridRows`: rows
@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-from dbo._hf_growing import GrowingRows, check_rows
-from dbo._hf_layers import (
+from dbo.hf.attention import (
     StaticRows,
     StaticWindowRows,
     WindowRows,
     for_every_row,
     initialize_once,
 )
-from dbo.api import follow_mark, run_state
+from dbo.hf.dynamic import GrowingRows, check_rows
+from dbo.ubatch import follow_mark, run_state
 
 
 class StateRows(LinearAttentionLayer):

@@ -11,10 +11,10 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from dbo import _affinity, _thread_settings, _wakeup
-from dbo._context import UBatchContext, registered
-from dbo._run import OverlapRun
 from dbo.errors import UBatchAbortedError, describe
+from dbo.runtime import affinity, thread_settings, wakeup
+from dbo.runtime.context import UBatchContext, registered
+from dbo.runtime.run import OverlapRun
 
 
 class Worker:
@@ -24,7 +24,7 @@ class Worker:
 
     def __init__(self, name: str, cpus: frozenset[int] | None) -> None:
         self._cpus = cpus
-        self.wake = _wakeup.new_wakeup()
+        self.wake = wakeup.new_wakeup()
         self._job: UBatchJob | None = None
         self._stopping = False
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -50,7 +50,7 @@ class Worker:
                           "(it keeps running):", file=sys.stderr)
                     traceback.print_exc()
                 job = None  # a parked worker must not keep the last run's tensors alive
-                _affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
+                affinity.restore(self._cpus)  # in case `fn` re-pinned this thread
             if self._stopping:
                 return
 
@@ -64,7 +64,7 @@ class UBatchJob:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    settings: _thread_settings.ThreadSettings
+    settings: thread_settings.ThreadSettings
     results: list[Any]
     errors: list[BaseException | None]
     _claim: Any = dataclasses.field(default_factory=_thread.allocate_lock, init=False)
@@ -91,7 +91,7 @@ class UBatchJob:
         run, ubatch_id = self.run, self.ubatch_id
         try:
             context = UBatchContext(ubatch_id, run.num_ubatches, run)
-            with registered(context), _thread_settings.applied(self.settings):
+            with registered(context), thread_settings.applied(self.settings):
                 run.baton.wait_turn(ubatch_id)
                 previous_stream = run.backend.current_stream()
                 run.enter(ubatch_id)

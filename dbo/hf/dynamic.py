@@ -1,5 +1,5 @@
 """A DynamicCache kept by rows: per layer, `[B, H, capacity, D]` buffers for keys and
-values that the caller's layer and each ubatch's hold views of (`dbo._hf_cache` uses it).
+values that the caller's layer and each ubatch's hold views of (`dbo.hf.cache` uses it).
 
 A ubatch's `GrowingRows` layer writes its new tokens at its own length and returns views
 of its rows; the caller's layer gets views of the filled part when the call ends. A
@@ -19,7 +19,7 @@ from transformers.cache_utils import (
     LinearAttentionAndFullAttentionLayer,
 )
 
-from dbo.api import wait_for_every_ubatch
+from dbo.ubatch import wait_for_every_ubatch
 
 KEPT_IN_BUFFERS = (DynamicLayer, DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer)
 """The layers whose keys and values are kept here (the others' are not)."""

@@ -20,14 +20,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from dbo import _affinity, _thread_settings
 from dbo._checks import check_num_ubatches, lock_timeout
-from dbo._context import current_context
-from dbo._run import OverlapRun, UBatchStreams
-from dbo._worker import UBatchJob, Worker, stop_workers
-from dbo.device import DeviceBackend, StreamLease, backend_for, held_streams
+from dbo.device.backends import DeviceBackend, backend_for
+from dbo.device.streams import StreamLease, held_streams
 from dbo.errors import OverlapTimeoutError, attach_ubatch_id
-from dbo.split import UBatchInputs, checked_ubatch_inputs, flat_arguments
+from dbo.runtime import affinity, thread_settings
+from dbo.runtime.context import current_context
+from dbo.runtime.run import OverlapRun, UBatchStreams
+from dbo.runtime.worker import UBatchJob, Worker, stop_workers
+from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, flat_arguments
 
 _ABORT_GRACE_S = 0.5
 """How long an aborted run's ubatches get to unwind before the runner is left broken."""
@@ -128,7 +129,7 @@ class UBatchRunner:
     def __init__(self, num_ubatches: int = 2, device: torch.device | str | int | None = None):
         self.num_ubatches = check_num_ubatches(num_ubatches)
         self.device = None if device is None else torch.device(device)
-        self.cpus = _affinity.cpus_of_this_thread()
+        self.cpus = affinity.cpus_of_this_thread()
         """The CPUs of the creating thread, which the workers keep (None: not Linux)."""
         self._pid = os.getpid()
         self._run_lock = threading.Lock()  # held for the whole of a run
@@ -269,7 +270,7 @@ class UBatchRunner:
 
         Threading: ubatch 0 starts; a ubatch passes the baton to the next live ubatch only
         at a yield point or when `fn` returns or raises. Each ubatch thread runs with the
-        caller's torch settings (`dbo._thread_settings`).
+        caller's torch settings (`dbo.runtime.thread_settings`).
 
         Streams (CUDA): ubatch i starts on its compute stream, which waits for the
         caller's current stream; before `run` returns, the caller's current stream waits
@@ -296,7 +297,7 @@ class UBatchRunner:
                 run.backward_states = [{} for _ in range(self.num_ubatches)]
             results: list[Any] = [None] * self.num_ubatches
             errors: list[BaseException | None] = [None] * self.num_ubatches
-            settings = _thread_settings.capture()
+            settings = thread_settings.capture()
             jobs = [
                 UBatchJob(run, ubatch_id, fn, args, kwargs, settings, results, errors)
                 for ubatch_id, (args, kwargs) in enumerate(inputs)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dbo._checks import check_num_ubatches
-from dbo.split import rows_per_ubatch
+from dbo.split.batch import rows_per_ubatch
 
 
 @dataclass(frozen=True)

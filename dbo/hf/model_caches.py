@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from dbo._hf_growing import check_rows
-from dbo._hf_layers import all_wrote
-from dbo.api import run_state
+from dbo.hf.attention import all_wrote
+from dbo.hf.dynamic import check_rows
+from dbo.ubatch import run_state
 
 _DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 _COMPRESSED = ("keys", "values", "buffer_kv", "buffer_gate", "compressed_kv")

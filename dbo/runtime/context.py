@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dbo._run import OverlapRun
+    from dbo.runtime.run import OverlapRun
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Each ubatch's attention layers of a `transformers` cache split by rows
-(`dbo._hf_cache`), one class per kind of layer it holds views of; linear-attention states
-are `dbo._hf_states`', a DynamicCache's full-attention layers `dbo._hf_growing`'s.
+(`dbo.hf.cache`), one class per kind of layer it holds views of; linear-attention states
+are `dbo.hf.linear_attention`', a DynamicCache's full-attention layers `dbo.hf.dynamic`'s.
 
 - `StaticRows`: rows of a `StaticLayer`, written in place at the caller's length.
 - `StaticWindowRows`: rows of a `StaticSlidingWindowLayer`, the layer's own update in place.
@@ -26,9 +26,8 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from dbo._hf_growing import GrowingRows, check_rows
-from dbo.api import follow_mark, run_state, stream_mark
-from dbo.graphs import capturing
+from dbo.hf.dynamic import GrowingRows, check_rows
+from dbo.ubatch import capturing, follow_mark, run_state, stream_mark
 
 
 def for_every_row(states: torch.Tensor, batch_size: int) -> torch.Tensor:

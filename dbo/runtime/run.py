@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from dbo._wakeup import Wakeup
-from dbo.baton import Baton
-from dbo.device import DeviceBackend
+from dbo.device.backends import DeviceBackend
 from dbo.errors import add_note
+from dbo.runtime.baton import Baton
+from dbo.runtime.wakeup import Wakeup
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Calls for code running inside an overlap (all cheap no-ops outside one).
+"""The calls made inside `fn` (all cheap no-ops outside an overlap): yields, stream
+switches, receive hooks, exit callbacks, the run's shared state, `capturing()`, and
+`yield_between`'s yield points between modules.
 
 Each function looks up the calling thread's registered ubatch; a thread that is not a
 ubatch thread of a running overlap (the caller, a helper thread) is "outside", so the
@@ -9,15 +11,18 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from dbo import tracing
-from dbo._context import _state
 from dbo._torch_private import profiling as profiler_records
+from dbo.runtime.context import _state
 
 if TYPE_CHECKING:
-    from dbo._run import OverlapRun
+    from dbo.runtime.run import OverlapRun
 
 
 def _run_and_id() -> tuple[OverlapRun | None, int]:
@@ -246,3 +251,37 @@ def blocking_wait(wait: Callable[..., Any], name: str, *args: Any) -> Any:
         tracing.end_range(profile_range)
         if recording is not None:  # interned: up to a million spans share one label
             recording.add(sys.intern(f"wait {name}"), track, start, time.perf_counter())
+
+
+IN_CAPTURE = "dbo.capture_graph"
+"""The `run_state()` key that marks the runs of `dbo.capture_graph`, warmup included."""
+
+
+def capturing() -> bool:
+    """Whether this call is part of a CUDA-graph capture: from a ubatch of a
+    `capture_graph` run (its warmup included, so that a refusal comes before anything is
+    captured) or on a capturing CUDA stream. For library code that cannot be captured
+    (host reads, shapes that depend on the data) to refuse with its own message."""
+    state = run_state()
+    return bool(state is not None and state.get(IN_CAPTURE)) or (
+        torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    )
+
+
+@dataclass(eq=False)  # hashable, compared by identity like the handles
+class YieldHooks:
+    """The forward pre-hooks `yield_between` registered (`handles`); `remove()` them all."""
+
+    handles: list[torch.utils.hooks.RemovableHandle]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def yield_between(modules: Iterable[torch.nn.Module]) -> YieldHooks:
+    """Make every module but the first call `dbo.yield_()` before its forward (a forward
+    pre-hook): inside an overlap the baton passes between consecutive modules (the
+    layers of `model.model.layers`); outside one the hooks do nothing."""
+    hook = lambda module, args: yield_()  # noqa: E731 - one hook object for every module
+    return YieldHooks([m.register_forward_pre_hook(hook) for m in list(modules)[1:]])

@@ -18,8 +18,8 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from dbo._hf_layers import fill_indexer, fill_keys, refuse_indexer_positions
-from dbo._hf_models import cache_state, join_cache_state, join_rows, model_rows
+from dbo.hf.attention import fill_indexer, fill_keys, refuse_indexer_positions
+from dbo.hf.model_caches import cache_state, join_cache_state, join_rows, model_rows
 
 
 def joined(parts: list[Any]) -> Any:
@@ -96,7 +96,7 @@ def _joined_indexed(parts: list[Any]) -> Any:
 
 
 def _joined_model_layer(parts: list[Any]) -> Any:
-    """One layer of a model's own class (`dbo._hf_models`) of the rows of `parts`."""
+    """One layer of a model's own class (`dbo.hf.model_caches`) of the rows of `parts`."""
     layer = copy.copy(parts[0])
     join_rows(layer, parts)
     return layer

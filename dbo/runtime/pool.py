@@ -10,9 +10,10 @@ from contextlib import contextmanager
 
 import torch
 
-from dbo import _affinity, _context, tracing
-from dbo import runner as runner_module
-from dbo.runner import RunnerState, UBatchRunner
+from dbo import tracing
+from dbo.runtime import affinity, context
+from dbo.runtime import runner as runner_module
+from dbo.runtime.runner import RunnerState, UBatchRunner
 
 _MAX_IDLE_RUNNERS = 2  # per key; more exist only while callers overlap
 _MAX_IDLE_RUNNERS_IN_ALL = 8  # over all keys (callers pinned to many different cores)
@@ -34,7 +35,7 @@ class RunnerPool:
 
     @contextmanager
     def lease(self, num_ubatches: int, device: torch.device | None) -> Iterator[UBatchRunner]:
-        key = (num_ubatches, device, _affinity.cpus_of_this_thread())
+        key = (num_ubatches, device, affinity.cpus_of_this_thread())
         with self._lock:
             matches = [i for i, (idle_key, _) in enumerate(self._idle) if idle_key == key]
             runner = self._idle.pop(matches[-1])[1] if matches else None  # the most recent
@@ -82,7 +83,7 @@ def _after_fork_in_child() -> None:
     """In a forked child (only the forking thread survives): drop the runners,
     registrations and locks it inherited; new runners are built on first use."""
     runner_pool.reset_after_fork()
-    _context.reset_after_fork()
+    context.reset_after_fork()
     runner_module.reset_after_fork()
     tracing.reset_after_fork()
 

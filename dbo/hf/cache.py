@@ -1,7 +1,7 @@
 """The split rule for `transformers`' KV caches: each ubatch works on its own rows of the
 cache the caller holds, and that cache stays a true cache of every row after each call.
-Each ubatch's cache holds one view per layer (`dbo._hf_growing`, `dbo._hf_layers`,
-`dbo._hf_states`):
+Each ubatch's cache holds one view per layer (`dbo.hf.dynamic`, `dbo.hf.attention`,
+`dbo.hf.linear_attention`):
 
 - `StaticCache` (preallocated `[B, H, max_len, D]` per layer): views of the ubatch's
   rows, so its writes land in place, at the caller's layer's length; when the call ends
@@ -25,7 +25,7 @@ The caller's cache is brought up to date as the last ubatch returns (`_Call`), w
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
 states): such a cache is refused afterwards. DeepSeek-V4's layers and MiniMax's cache
-class, their own, are split too (`dbo._hf_models`). Caches of other kinds, layers of other
+class, their own, are split too (`dbo.hf.model_caches`). Caches of other kinds, layers of other
 kinds (quantized, another model's own) and offloading are refused, named. Caches that the
 ubatches create themselves (a forward called without one, `use_cache=True`) are joined
 once along the batch. This module imports `transformers`: `dbo` imports it only once
@@ -56,21 +56,26 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
-from dbo import stateful
-from dbo._hf_growing import Growing, GrowingRows, NewLayer, growing_state
-from dbo._hf_joins import joined
-from dbo._hf_layers import IndexedRows, StaticIndexedRows, StaticRows, StaticWindowRows, WindowRows
-from dbo._hf_models import cache_state, join_cache_state, model_rows, split_cache_state
-from dbo._hf_states import (
+from dbo.hf.attention import (
+    IndexedRows,
+    StaticIndexedRows,
+    StaticRows,
+    StaticWindowRows,
+    WindowRows,
+)
+from dbo.hf.dynamic import Growing, GrowingRows, NewLayer, growing_state
+from dbo.hf.joins import joined
+from dbo.hf.linear_attention import (
     HybridRows,
     SlidingHybridRows,
     StateRows,
     StaticHybridRows,
     StaticSlidingHybridRows,
 )
-from dbo.api import at_ubatch_exit, run_state, wait_for_every_ubatch
-from dbo.graphs import capturing
+from dbo.hf.model_caches import cache_state, join_cache_state, model_rows, split_cache_state
 from dbo.hf.versions import check_transformers
+from dbo.split import rules
+from dbo.ubatch import at_ubatch_exit, capturing, run_state, wait_for_every_ubatch
 
 ROWS: dict[Any, dict[Any, Any]] = {
     DynamicCache: {
@@ -98,7 +103,7 @@ def register() -> None:
     """Register the rule for `transformers.cache_utils.Cache` (once)."""
     global _REGISTERED
     if not _REGISTERED:
-        stateful.register_split_rule(Cache, split=split_cache, merge=merge_caches)
+        rules.register_split_rule(Cache, split=split_cache, merge=merge_caches)
         _REGISTERED = True
 
 
@@ -201,7 +206,7 @@ class _Call:
 
 
 def _kinds(cache: Any) -> dict[Any, Any]:
-    """`ROWS` of `cache`'s class; a model's own DynamicCache class (`dbo._hf_models`) has
+    """`ROWS` of `cache`'s class; a model's own DynamicCache class (`dbo.hf.model_caches`) has
     a DynamicCache's ({} for any other class)."""
     if type(cache) in ROWS:
         return ROWS[type(cache)]

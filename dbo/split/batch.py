@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from dbo import stateful
 from dbo._checks import check_num_ubatches
+from dbo.split import rules
 
 UBatchInputs = list[tuple[tuple[Any, ...], dict[str, Any]]]
 """One `(args, kwargs)` pair per ubatch, in ubatch order."""
@@ -56,7 +56,7 @@ def checked_ubatch_inputs(parts: Any, num_ubatches: int, name: str) -> UBatchInp
 def _is_leaf(node: Any) -> bool:
     """A shape (one value, not a container of ints) or an object with a split rule (split
     by its rule even if its type is a pytree node too)."""
-    return isinstance(node, torch.Size) or stateful.rule_for(node) is not None
+    return isinstance(node, torch.Size) or rules.rule_for(node) is not None
 
 
 _SCALARS = (int, float, bool, str, type(None))
@@ -89,7 +89,7 @@ def _splittable(leaf: Any) -> bool:
 
 def check_objects(args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> None:
     """ValueError naming the path for an argument leaf of a type without a split rule that
-    holds a tensor of `batch_size` rows (`dbo.stateful.hidden_batch_tensor`): it would reach
+    holds a tensor of `batch_size` rows (`dbo.split.rules.hidden_batch_tensor`): it would reach
     every ubatch whole, and each would write its rows into it."""
     named = [(f"args[{i}]", arg) for i, arg in enumerate(args)]
     for root, value in named + [(f"kwargs[{key!r}]", v) for key, v in kwargs.items()]:
@@ -97,12 +97,12 @@ def check_objects(args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int
             continue  # the usual arguments, without a tree walk
         leaves, _ = flatten(value)
         for index, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) or stateful.rule_for(leaf) is not None:
+            if isinstance(leaf, torch.Tensor) or rules.rule_for(leaf) is not None:
                 continue
-            where = stateful.hidden_batch_tensor(leaf, batch_size)
+            where = rules.hidden_batch_tensor(leaf, batch_size)
             if where is not None:
                 path = _leaf_paths(value, root)[index]
-                raise ValueError(stateful.refusal(path, leaf, where, batch_size))
+                raise ValueError(rules.refusal(path, leaf, where, batch_size))
 
 
 def rows_per_ubatch(batch_size: int, num_ubatches: int) -> list[int]:
@@ -223,9 +223,9 @@ def _split_argument(value: Any, rows: list[int], root: str) -> Sequence[Any]:
     for i, leaf in enumerate(leaves):
         if _splittable(leaf):
             cut[i] = torch.tensor_split(leaf, num_ubatches)
-        elif (rule := stateful.rule_for(leaf)) is not None:
+        elif (rule := rules.rule_for(leaf)) is not None:
             path = root if len(leaves) == 1 else f"{root} (leaf {i})"
-            cut[i] = stateful.split_object(leaf, rule, rows, path)
+            cut[i] = rules.split_object(leaf, rule, rows, path)
     if not cut:
         return (value,) * num_ubatches
     return [
@@ -239,7 +239,7 @@ def _passes_whole(node: Any) -> bool:
     with nothing to split: every ubatch gets the same object (state that `fn` writes into,
     such as a dict of counters, stays shared)."""
     return _is_leaf(node) or not any(
-        _splittable(leaf) or stateful.rule_for(leaf) is not None
+        _splittable(leaf) or rules.rule_for(leaf) is not None
         for leaf in pytree.tree_leaves(node, is_leaf=_is_leaf)
     )
 
@@ -298,7 +298,7 @@ def _merged_columns(columns: Iterable[Sequence[Any]], first: Any) -> list[Any]:
 
 def _merged_leaf(values: list[Any]) -> Any:
     first = values[0]
-    rule = stateful.rule_for(first)
+    rule = rules.rule_for(first)
     if rule is not None:
         return rule.merge(values)
     if not any(isinstance(value, torch.Tensor) for value in values):
