@@ -29,7 +29,7 @@ _DIST_AVAILABLE = dist.is_available()
 _GroupMember = dist.GroupMember if _DIST_AVAILABLE else None
 
 
-def _still_registered(group: dist.ProcessGroup) -> bool:
+def still_registered(group: dist.ProcessGroup) -> bool:
     """Whether `group` belongs to the current world and is not destroyed (False where
     this torch keeps its registry elsewhere: then the full checks run every time)."""
     world = getattr(dist.distributed_c10d, "_world", None)
@@ -50,7 +50,7 @@ def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
     key = _GroupMember.WORLD if group is None and _GroupMember is not None else group
     if isinstance(key, dist.ProcessGroup):
         facts = _known.get(key)
-        if facts is not None and (group is None or _still_registered(key)):
+        if facts is not None and (group is None or still_registered(key)):
             return key, facts
     if not _DIST_AVAILABLE or not dist.is_initialized():
         raise RuntimeError(

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from comm._checks import _still_registered, resolve_group
+from comm._checks import resolve_group, still_registered
 
 
 class UBatchGroupRegistry:
@@ -160,10 +160,10 @@ class UBatchGroupRegistry:
             self._world = weakref.ref(world) if world is not None else None
         if dbo.enabled():
             return  # destroying groups waits for a call outside any overlap
-        for base in [base for base in self._duplicates if not _still_registered(base)]:
+        for base in [base for base in self._duplicates if not still_registered(base)]:
             for duplicate in self._duplicates.pop(base):
                 self._is_duplicate.discard(duplicate)
-                if _still_registered(duplicate):
+                if still_registered(duplicate):
                     dist.destroy_process_group(duplicate)
 
     def clear(self) -> list[dist.ProcessGroup]:
@@ -257,7 +257,7 @@ def ubatch_groups(
 def destroy_ubatch_groups() -> None:
     """Destroy every duplicate group still registered and forget them all."""
     for duplicate in _registry.clear():
-        if dist.is_initialized() and _still_registered(duplicate):
+        if dist.is_initialized() and still_registered(duplicate):
             dist.destroy_process_group(duplicate)
 
 

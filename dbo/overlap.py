@@ -197,7 +197,7 @@ class Overlapped:
         )
         if must_inline and options.decision_group is None:
             return self._inline(args, kwargs)
-        recording = tracing._active
+        recording = tracing.recording
         start = time.perf_counter() if recording is not None else 0.0
         name = "dbo.overlap"
         try:
@@ -264,7 +264,7 @@ def _run_backward(
     thread; in turn in this thread when it is a ubatch thread (nothing nests)."""
     if current_context() is not None:
         return [fn(*args, **kwargs) for args, kwargs in jobs]
-    recording = tracing._active
+    recording = tracing.recording
     start = time.perf_counter() if recording is not None else 0.0
     try:
         with runner_pool.lease(options.num_ubatches, options.device) as runner:

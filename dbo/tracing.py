@@ -215,19 +215,21 @@ def end_range(handle: Any) -> None:
         private.exit_profiler_range(handle)
 
 
-_active: Trace | None = None  # read by the baton and `comm` at every handoff and wait
+recording: Trace | None = None
+"""The `Trace` recording now, or None: read by the baton, `dbo.overlap` and `blocking_wait`
+at every handoff and wait (an attribute, not a call, on that path)."""
 _lock = threading.Lock()
 
 
 def reset_after_fork() -> None:
     """In a forked child: new locks (another thread may have held them at the fork), and
     the parent's trace ended: the child records nothing into it and may start its own."""
-    global _lock, _active
+    global _lock, recording
     _lock = threading.Lock()
-    if _active is not None:
-        _active._lock = threading.Lock()
-        _active.end_s = time.perf_counter()
-    _active = None
+    if recording is not None:
+        recording._lock = threading.Lock()
+        recording.end_s = time.perf_counter()
+    recording = None
 
 
 @contextmanager
@@ -235,16 +237,16 @@ def trace(max_spans: int = DEFAULT_MAX_SPANS) -> Iterator[Trace]:
     """Record the timeline of every overlap (and `comm` wait) in this process during the
     block; yields the `Trace`, complete once the block exits. One trace at a time (a
     second raises RuntimeError); spans past `max_spans` are counted in `Trace.dropped`."""
-    global _active
-    recording = Trace(max_spans)
+    global recording
+    started = Trace(max_spans)
     with _lock:
-        if _active is not None:
+        if recording is not None:
             raise RuntimeError("a dbo.trace() is already recording in this process")
-        _active = recording
+        recording = started
     try:
-        yield recording
+        yield started
     finally:
         with _lock:
-            _active = None
-        with recording._lock:  # from here on, add() ignores late spans
-            recording.end_s = time.perf_counter()
+            recording = None
+        with started._lock:  # from here on, add() ignores late spans
+            started.end_s = time.perf_counter()

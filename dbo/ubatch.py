@@ -19,14 +19,14 @@ import torch
 
 from dbo import tracing
 from dbo._torch_private import profiling as profiler_records
-from dbo.runtime.context import _state
+from dbo.runtime.context import thread_state
 
 if TYPE_CHECKING:
     from dbo.runtime.run import OverlapRun
 
 
 def _run_and_id() -> tuple[OverlapRun | None, int]:
-    context = _state.context
+    context = thread_state.context
     return (None, 0) if context is None else (context.run, context.ubatch_id)
 
 
@@ -39,18 +39,18 @@ def _switch(to_comm: bool, yield_first: bool) -> None:
 def current_ubatch_id() -> int:
     """The calling thread's ubatch id: i in ubatch i's thread, 0 outside an overlap
     (the caller and helper threads get 0 even while an overlap runs)."""
-    context = _state.context
+    context = thread_state.context
     return 0 if context is None else context.ubatch_id
 
 
 def enabled() -> bool:
     """True in a ubatch thread of a running overlap; False everywhere else."""
-    return _state.context is not None
+    return thread_state.context is not None
 
 
 def num_ubatches() -> int:
     """The number of ubatches of the running overlap; 1 outside an overlap."""
-    context = _state.context
+    context = thread_state.context
     return 1 if context is None else context.num_ubatches
 
 
@@ -63,7 +63,7 @@ def run_state() -> dict[str, Any] | None:
     the baton holder runs Python, so a read-modify-write without a yield in between is
     atomic with respect to the other ubatches. Use keys named after your package.
     """
-    context = _state.context
+    context = thread_state.context
     return None if context is None or context.run is None else context.run.state
 
 
@@ -76,7 +76,7 @@ def backward_state() -> dict[str, Any] | None:
     ubatch's backward runs in its thread (`dbo.overlap` under grad mode), else the run's
     (`run_state()`: `overlap_backward=False`, a `UBatchRunner`).
     """
-    context = _state.context
+    context = thread_state.context
     if context is None or context.run is None:
         return None
     run = context.run
@@ -89,7 +89,7 @@ def yield_() -> None:
     Returns at once when this is the only live ubatch. Raises `UBatchAbortedError` if the
     overlap is being aborted (another ubatch failed). Outside an overlap: no-op.
     """
-    context = _state.context
+    context = thread_state.context
     if context is not None and context.run is not None:
         context.run.baton.yield_(context.ubatch_id)
 
@@ -132,7 +132,7 @@ def yield_and_switch_to_compute() -> None:
 def current_stream() -> Any:
     """The ubatch stream this ubatch is on, compute or comm (a `torch.cuda.Stream`, or a
     `CpuStream` on CPU), not a side stream it entered; None outside an overlap."""
-    context = _state.context
+    context = thread_state.context
     if context is None or context.run is None:
         return None
     return context.run.current_stream(context.ubatch_id)
@@ -238,10 +238,10 @@ def blocking_wait(wait: Callable[..., Any], name: str, *args: Any) -> Any:
     hidden) on the calling thread's ubatch track, the caller's outside an overlap, when a
     `dbo.trace()` records, and as a `torch.profiler` range when one profiles; nothing
     more otherwise. For library code that waits for communication (`comm` does)."""
-    recording, profiling = tracing._active, profiler_records()
+    recording, profiling = tracing.recording, profiler_records()
     if recording is None and not profiling:
         return wait(*args)
-    context = _state.context
+    context = thread_state.context
     track = context.ubatch_id if context is not None else tracing.CALLER
     start = time.perf_counter()
     profile_range = tracing.begin_range(track, f"wait {name}") if profiling else None

@@ -144,7 +144,7 @@ class Baton:
                 self._make_holder(ubatch_id)
                 return
             now = time.perf_counter()
-            recording = tracing._active
+            recording = tracing.recording
             if recording is not None:
                 recording.add("baton", ubatch_id, self._turn_start[ubatch_id] or 0.0, now)
             if self._ranges[ubatch_id] is not None:
@@ -166,7 +166,7 @@ class Baton:
         with self._mutex:
             if not self._live[ubatch_id]:
                 return  # counted already (a revoked job, counted again after an interrupt)
-            recording = tracing._active
+            recording = tracing.recording
             held = self.holder == ubatch_id
             started = self._turn_start[ubatch_id]
             if recording is not None and held and started is not None:  # it ran a turn

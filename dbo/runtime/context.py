@@ -37,7 +37,7 @@ class _ThreadState(threading.local):
     context: UBatchContext | None = None
 
 
-_state = _ThreadState()
+thread_state = _ThreadState()
 _threads: set[int] = set()
 """`threading.get_ident()` of the registered threads (the tests count them: none may be
 left registered). Single set operations, atomic under the GIL: no lock."""
@@ -50,7 +50,7 @@ def reset_after_fork() -> None:
 
 def current_context() -> UBatchContext | None:
     """The calling thread's context, or None outside a ubatch thread."""
-    return _state.context
+    return thread_state.context
 
 
 def num_registered_threads() -> int:
@@ -69,15 +69,15 @@ class registered:  # noqa: N801 - used like the function-style context managers
         self._context = context
 
     def __enter__(self) -> UBatchContext:
-        if _state.context is not None:
+        if thread_state.context is not None:
             raise RuntimeError(
-                f"this thread already runs ubatch {_state.context.ubatch_id}; "
+                f"this thread already runs ubatch {thread_state.context.ubatch_id}; "
                 "a thread can be registered for one ubatch at a time"
             )
         _threads.add(threading.get_ident())
-        _state.context = self._context
+        thread_state.context = self._context
         return self._context
 
     def __exit__(self, *exc_info: object) -> None:
-        _state.context = None
+        thread_state.context = None
         _threads.discard(threading.get_ident())
