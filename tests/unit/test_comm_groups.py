@@ -36,14 +36,14 @@ def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
 
 @pytest.mark.timeout(60)
 def test_a_subgroup_destroyed_alone_has_its_duplicates_destroyed_too(world_of_one: None) -> None:
-    from comm._checks import _still_registered
+    from comm._checks import still_registered
     from comm.groups import destroy_ubatch_groups
 
     sub = dist.new_group([0])
     duplicates = comm.ubatch_groups(sub, 2)
     dist.destroy_process_group(sub)  # torch's own call, the subgroup only
     comm.ubatch_groups(None, 2)  # the registry notices the next time it creates groups
-    assert not any(_still_registered(group) for group in duplicates)
+    assert not any(still_registered(group) for group in duplicates)
     destroy_ubatch_groups()  # and does not destroy them a second time (an error)
 
 
