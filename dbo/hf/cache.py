@@ -21,7 +21,7 @@ Each ubatch's cache holds one view per layer (`dbo.hf.dynamic`, `dbo.hf.attentio
   DeepSeek-V3.2 and kin) keep their keys and values as a full-attention layer of their
   cache kind does, and indexer keys beside them.
 
-The caller's cache is brought up to date as the last ubatch returns (`_Call`), whether
+The caller's cache is brought up to date as the last ubatch returns (`Call`), whether
 or not the function returns the cache. A call that fails leaves it as before, except
 where it wrote in place over what it cannot restore (a full window, linear-attention
 states): such a cache is refused afterwards. DeepSeek-V4's layers and MiniMax's cache
@@ -56,6 +56,7 @@ from transformers.cache_utils import (
     StaticSlidingWindowLayer,
 )
 
+from dbo.hf import model_caches
 from dbo.hf.attention import (
     IndexedRows,
     StaticIndexedRows,
@@ -72,17 +73,21 @@ from dbo.hf.linear_attention import (
     StaticHybridRows,
     StaticSlidingHybridRows,
 )
-from dbo.hf.model_caches import cache_state, join_cache_state, model_rows, split_cache_state
+from dbo.hf.model_caches import ModelRows, cache_state, join_cache_state, split_cache_state
+from dbo.hf.refusals import check_splittable, refuse_in_capture
+from dbo.hf.rows import Rows, same
 from dbo.hf.versions import check_transformers
 from dbo.split import rules
 from dbo.ubatch import at_ubatch_exit, capturing, run_state, wait_for_every_ubatch
 
-ROWS: dict[Any, dict[Any, Any]] = {
+_MODEL_LAYERS = dict.fromkeys(model_caches.MODEL_LAYERS, ModelRows)
+ROWS: dict[Any, dict[Any, type[Rows]]] = {
     DynamicCache: {
         DynamicLayer: GrowingRows, DynamicSlidingWindowLayer: WindowRows,
         DynamicIndexedLayer: IndexedRows, LinearAttentionLayer: StateRows,
         LinearAttentionAndFullAttentionLayer: HybridRows,
         LinearAttentionAndSlidingWindowAttentionLayer: SlidingHybridRows,
+        **_MODEL_LAYERS,  # a model's own layers, by (module, name)
     },
     StaticCache: {
         StaticLayer: StaticRows, StaticSlidingWindowLayer: StaticWindowRows,
@@ -91,10 +96,9 @@ ROWS: dict[Any, dict[Any, Any]] = {
         LinearAttentionAndStaticSlidingWindowAttentionLayer: StaticSlidingHybridRows,
     },
 }
-"""For each cache class, the class of a ubatch's rows of each kind of layer it splits
-(a `DummyLayer`, which holds nothing, is shared). Each takes (the caller's layer, its
-shared buffers or None, the call, the ubatch, its first and last row, the batch size)
-and has `end_call(caller's layer, the ubatches' layers)`, run when the call ends."""
+"""For each cache class, the row class (`dbo.hf.rows.Rows`) of each kind of layer it
+splits; a `DummyLayer`, which holds nothing, is shared. A model's own DynamicCache class
+(`dbo.hf.model_caches`) has a DynamicCache's."""
 
 _REGISTERED = False
 
@@ -107,28 +111,40 @@ def register() -> None:
         _REGISTERED = True
 
 
+def rows_class(cache: Any, layer: Any) -> type[Rows] | None:
+    """The row class of `layer` of `cache` (None: dbo does not split it)."""
+    kinds = ROWS.get(type(cache))
+    if kinds is None and cache_state(cache) is not None:
+        kinds = ROWS[DynamicCache]
+    if kinds is None:
+        return None
+    return kinds.get(type(layer)) or kinds.get(model_caches.class_name(type(layer)))
+
+
 def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     """One cache per ubatch: views of its rows of `cache`."""
     check_transformers()
-    _check_supported(cache)
-    batch_size = sum(rows)
-    starts = [sum(rows[:i]) for i in range(len(rows))]
-    bounds = [(start, start + count) for start, count in zip(starts, rows)]
-    call = _Call(cache, len(rows))
-    kinds = _kinds(cache)
-    if isinstance(cache, DynamicCache):
-        call.growing = growing_state(cache, batch_size, len(rows))
-    shared = call.growing.layers if call.growing is not None else [None] * len(cache.layers)
-    for ubatch, (start, stop) in enumerate(bounds):
-        child = _child(cache, call, [
-            layer if type(layer) is DummyLayer  # holds nothing: shared
-            else _rows_class(kinds, layer)(layer, buffers, call, ubatch, start, stop, batch_size)
-            for layer, buffers in zip(cache.layers, shared)
-        ])
+    layers = [(layer, rows_class(cache, layer)) for layer in cache.layers]
+    check_splittable(cache, type(cache) in ROWS or cache_state(cache) is not None,
+                     [type(layer).__name__ for layer, kind in layers
+                      if kind is None and type(layer) is not DummyLayer])
+    call = Call(cache, rows)
+    shared = call.growing.layers if call.growing is not None else [None] * len(layers)
+    start = 0
+    for ubatch, count in enumerate(rows):
+        bounds = slice(start, start + count)
+        start += count
+        child = copy.copy(cache)
+        child.layers = [
+            layer if kind is None  # a DummyLayer holds nothing: shared
+            else call.add_part(index, ubatch, kind(layer, buffers, call, ubatch, bounds)).layer
+            for index, ((layer, kind), buffers) in enumerate(zip(layers, shared))
+        ]
+        child._dbo_call = call
         if cache.layer_class_to_replicate is not None:  # layers made at the first update
-            child.layer_class_to_replicate = NewLayer(call, child, ubatch, start, stop)
+            child.layer_class_to_replicate = NewLayer(call, child, ubatch, bounds)
         if cache_state(cache) is not None:
-            split_cache_state(child, cache, slice(start, stop), batch_size,
+            split_cache_state(child, cache, bounds, call.batch_size,
                               functools.partial(call.enter, ubatch))
         call.children.append(child)
     return call.children
@@ -143,19 +159,24 @@ def merge_caches(parts: list[Any]) -> Any:
     return joined(parts)
 
 
-class _Call:
+class Call:
     """One overlapped call's use of one cache. Each ubatch registers at its first write,
     and when the last of them returns (in its thread, before the caller's stream joins
     the ubatches') the caller's cache is brought up to date: its lengths, and a
     DynamicCache's views. So it holds every row after the call whether or not the
     function returns the cache; after a failed call it is as before."""
 
-    def __init__(self, whole: Any, num_ubatches: int) -> None:
+    def __init__(self, whole: Any, rows: list[int]) -> None:
         self.whole = whole
-        self.entered = [False] * num_ubatches
+        self.batch_size = sum(rows)
+        self.entered = [False] * len(rows)
         self.returned = 0
         self.children: list[Any] = []
+        self.parts: dict[int, list[Any]] = {}
+        """Per layer index, each ubatch's rows of it (`Rows`)."""
         self.growing: Growing | None = None
+        if isinstance(whole, DynamicCache):
+            self.growing = growing_state(whole, self.batch_size, len(rows))
         self.marks: dict[Any, Any] = {}
         """Per caller's layer (and part of it) one ubatch made for every row in this run,
         the mark on its stream after the zero fill, which the others follow."""
@@ -163,16 +184,16 @@ class _Call:
         """The run the counts are of: the same parts can run again (`capture_graph`
         splits once, then runs them for its warmup and its capture)."""
 
+    def add_part(self, index: int, ubatch: int, part: Rows) -> Any:
+        """Keep `part`, ubatch `ubatch`'s rows of layer `index`; returns it."""
+        self.parts.setdefault(index, [None] * len(self.entered))[ubatch] = part
+        return part
+
     def enter(self, ubatch: int) -> None:
         """Count ubatch `ubatch` in at its first write in a run (every row class calls
         this before it touches the caller's layer)."""
         if self.growing is not None and capturing():
-            raise ValueError(
-                "a transformers DynamicCache cannot be in a dbo.capture_graph: its lengths and "
-                "views are kept in Python, which a replay does not run, so every replay would "
-                "write its token at the same position; pass a StaticCache "
-                "(cache_implementation='static') to a captured decode step"
-            )
+            refuse_in_capture("DynamicCache")
         state = run_state()
         if state is not self._run:  # another run of the same parts: count afresh
             self._run, self.entered, self.returned = state, [False] * len(self.entered), 0
@@ -184,78 +205,19 @@ class _Call:
     def _returned(self) -> None:
         self.returned += 1
         if self.returned == len(self.entered):
-            self._finish()
+            wait_for_every_ubatch()  # their writes are queued on their own streams
+            self.bring_up_to_date()
 
-    def _finish(self) -> None:
-        wait_for_every_ubatch()  # their writes are queued on their own streams
-        self._bring_up_to_date()
-
-    def _bring_up_to_date(self) -> None:
+    def bring_up_to_date(self) -> None:
+        """The caller's cache holds every ubatch's rows (the last ubatch's exit runs it)."""
         whole = self.whole
-        if self.growing is not None:
-            while len(whole.layers) < len(self.growing.layers):
-                whole.layers.append(whole.layer_class_to_replicate())
+        same([len(child.layers) for child in self.children], "numbers of cache layers")
+        while len(whole.layers) < len(self.children[0].layers):
+            whole.layers.append(whole.layer_class_to_replicate())
         for index, layer in enumerate(whole.layers):
-            parts = [child.layers[index] for child in self.children]
-            end_call = getattr(type(parts[0]), "end_call", None)  # none: a DummyLayer
-            if end_call is not None:
-                end_call(layer, parts)
+            parts = self.parts.get(index)
+            if parts is not None:
+                type(parts[0]).end_call(layer, parts)
         if cache_state(whole) is not None:
             join_cache_state(whole, self.children)
         whole._dbo_overwritten = False  # the call ended: windows and states are right
-
-
-def _kinds(cache: Any) -> dict[Any, Any]:
-    """`ROWS` of `cache`'s class; a model's own DynamicCache class (`dbo.hf.model_caches`) has
-    a DynamicCache's ({} for any other class)."""
-    if type(cache) in ROWS:
-        return ROWS[type(cache)]
-    return ROWS[DynamicCache] if cache_state(cache) is not None else {}
-
-
-def _rows_class(kinds: dict[Any, Any], layer: Any) -> Any:
-    """The class of a ubatch's rows of `layer` (None: dbo does not split it)."""
-    found = kinds.get(type(layer))
-    if found is None and kinds is ROWS[DynamicCache]:
-        found = model_rows(type(layer))
-    return found
-
-
-def _check_supported(cache: Any) -> None:
-    kinds = _kinds(cache)
-    odd = [type(layer).__name__ for layer in cache.layers
-           if type(layer) is not DummyLayer and _rows_class(kinds, layer) is None]
-    odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
-            if isinstance(layer, LinearAttentionLayer) and layer.record_past]
-    odd += [f"{type(layer).__name__} (with indexer positions)" for layer in cache.layers
-            if getattr(layer, "indexer_position_ids", None) is not None]
-    lazy = cache.layer_class_to_replicate
-    if not kinds or odd or getattr(cache, "offloading", False) or (
-        lazy not in (None, DynamicLayer)
-    ):
-        what = f"a {type(cache).__name__}"
-        if odd:
-            what += f" with {', '.join(sorted(set(odd)))} layers"
-        elif getattr(cache, "offloading", False):
-            what += " that offloads"
-        raise ValueError(
-            f"dbo.overlap cannot split {what} by rows (it splits transformers' DynamicCache "
-            "and StaticCache of full-attention, sliding-window and linear-attention layers); "
-            "pass "
-            "use_cache=False (or cache_implementation='dynamic'), or register a rule for it "
-            "with dbo.register_split_rule"
-        )
-    if getattr(cache, "_dbo_overwritten", False):
-        raise ValueError(
-            f"this {type(cache).__name__}'s sliding windows or linear-attention states were "
-            "written in place by an overlapped call that failed, so they no longer match its "
-            "tokens; start a new cache (a new generate does)"
-        )
-
-
-def _child(cache: Any, call: _Call, layers: list[Any]) -> Any:
-    """A shallow copy of `cache` with other layers, knowing the call it is part of."""
-    child = copy.copy(cache)
-    child.layers = layers
-    child._dbo_call = call
-    return child

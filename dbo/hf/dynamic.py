@@ -19,19 +19,12 @@ from transformers.cache_utils import (
     LinearAttentionAndFullAttentionLayer,
 )
 
+from dbo.hf.refusals import check_rows, refuse_grad
+from dbo.hf.rows import Rows, same
 from dbo.ubatch import wait_for_every_ubatch
 
 KEPT_IN_BUFFERS = (DynamicLayer, DynamicIndexedLayer, LinearAttentionAndFullAttentionLayer)
 """The layers whose keys and values are kept here (the others' are not)."""
-
-
-def check_rows(kind: str, have: int, batch_size: int) -> None:
-    """ValueError when a cache's rows are not the batch's."""
-    if have != batch_size:
-        raise ValueError(
-            f"the {kind} passed to dbo.overlap holds {have} rows but the batch has "
-            f"{batch_size}; pass a cache made for this batch (a new generate starts a new one)"
-        )
 
 
 class _SharedLayer:
@@ -83,12 +76,7 @@ class _SharedLayer:
     def append(
         self, ubatch: int, rows: slice, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
-            raise RuntimeError(
-                "dbo's split DynamicCache writes each ubatch's keys and values in place, which "
-                "autograd cannot follow; run generation under torch.no_grad(), or pass "
-                "use_cache=False when training"
-            )
+        refuse_grad(keys, values)
         begin = self.lengths[ubatch]
         end = begin + keys.shape[-2]
         if self.keys is None or end > self.keys.shape[2]:
@@ -122,12 +110,7 @@ class _SharedLayer:
         """After a call: the caller's layer holds views of the filled part."""
         if not self.lengths or self.keys is None or self.values is None:
             return
-        if len(set(self.lengths)) != 1:
-            raise RuntimeError(
-                f"the ubatches wrote different numbers of tokens into one cache layer "
-                f"({self.lengths}); each must run the same forward on its rows"
-            )
-        length = self.lengths[0]
+        length = same(self.lengths, "numbers of tokens in one cache layer")
         if not layer.is_initialized:
             layer.lazy_initialization(self.keys, self.values)
         layer.keys = self.keys[:, :, :length]
@@ -176,18 +159,15 @@ def growing_state(cache: Any, batch_size: int, num_ubatches: int) -> Growing:
     return growing
 
 
-class GrowingRows(DynamicLayer):
-    """Rows [start, stop) of a `_SharedLayer`, as one ubatch's DynamicLayer: an update
-    writes the new tokens into the shared buffer and returns views of its rows."""
+class GrowingRows(Rows, DynamicLayer):
+    """A ubatch's rows of a `_SharedLayer`, as a DynamicLayer: an update writes the new
+    tokens into the shared buffer and returns views of its rows."""
 
-    def __init__(
-        self, whole: Any, shared: _SharedLayer, call: Any, ubatch: int, start: int, stop: int,
-        batch_size: int,
-    ) -> None:
-        super().__init__()
-        self.shared, self.call = shared, call
-        self.ubatch, self.rows = ubatch, slice(start, stop)
-        views = shared.view(ubatch, self.rows)
+    def __init__(self, whole: Any, shared: _SharedLayer, call: Any, ubatch: int,
+                 rows: slice) -> None:
+        DynamicLayer.__init__(self)
+        Rows.__init__(self, whole, shared, call, ubatch, rows)
+        views = shared.view(ubatch, rows)
         if views is not None:
             self.keys, self.values = views
             self.device, self.is_initialized = self.keys.device, True
@@ -195,14 +175,14 @@ class GrowingRows(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.call.enter(self.ubatch)
-        keys, values = self.shared.append(self.ubatch, self.rows, key_states, value_states)
-        self.keys, self.values = keys, values
+        self.enter()
+        self.keys, self.values = self.shared.append(self.ubatch, self.rows, key_states,
+                                                    value_states)
         self.device, self.is_initialized = key_states.device, True
         return self.keys, self.values
 
-    @staticmethod
-    def end_call(whole: Any, parts: list[Any]) -> None:
+    @classmethod
+    def end_call(cls, whole: Any, parts: list[Any]) -> None:
         """After a call: the caller's layer holds views of the filled part."""
         parts[0].shared.finish(whole)
 
@@ -210,11 +190,12 @@ class GrowingRows(DynamicLayer):
 class NewLayer:
     """A ubatch cache's `layer_class_to_replicate`: its next layer, on the shared buffers."""
 
-    def __init__(self, call: Any, child: Any, ubatch: int, start: int, stop: int) -> None:
-        self.call, self.child, self.ubatch = call, child, ubatch
-        self.start, self.stop = start, stop
+    def __init__(self, call: Any, child: Any, ubatch: int, rows: slice) -> None:
+        self.call, self.child, self.ubatch, self.rows = call, child, ubatch, rows
 
     def __call__(self) -> GrowingRows:
         assert self.call.growing is not None, "a DynamicCache's call"
-        shared = self.call.growing.layer(len(self.child.layers))
-        return GrowingRows(None, shared, self.call, self.ubatch, self.start, self.stop, 0)
+        index = len(self.child.layers)
+        shared = self.call.growing.layer(index)
+        return self.call.add_part(index, self.ubatch,
+                                  GrowingRows(None, shared, self.call, self.ubatch, self.rows))

@@ -18,8 +18,10 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from dbo.hf.attention import fill_indexer, fill_keys, refuse_indexer_positions
-from dbo.hf.model_caches import cache_state, join_cache_state, join_rows, model_rows
+from dbo.hf.attention import fill_indexer, fill_keys
+from dbo.hf.model_caches import MODEL_LAYERS, cache_state, class_name, join_cache_state, join_rows
+from dbo.hf.refusals import check_indexer_positions, refuse_join
+from dbo.hf.rows import same
 
 
 def joined(parts: list[Any]) -> Any:
@@ -28,29 +30,23 @@ def joined(parts: list[Any]) -> Any:
     if (cache_kind is not DynamicCache and cache_state(parts[0]) is None) or any(
         type(part) is not cache_kind or len(part.layers) != len(parts[0].layers) for part in parts
     ):
-        raise ValueError(
-            "the ubatches returned transformers caches that are not their parts of one cache "
-            f"passed in ({', '.join(type(part).__name__ for part in parts)}), and only "
-            "DynamicCaches of the same layers made inside the call can be joined; pass a cache "
-            "in, or use_cache=False"
-        )
+        refuse_join("transformers caches that are not their parts of one cache passed in "
+                    f"({', '.join(type(part).__name__ for part in parts)})")
     cache = copy.copy(parts[0])
     cache.layers = []
     for layers in zip(*(part.layers for part in parts)):
         kind = type(layers[0])
-        join = _JOINS.get(kind) or (_joined_model_layer if model_rows(kind) else None)
+        join = _JOINS.get(kind) or (join_model_layer if class_name(kind) in MODEL_LAYERS else None)
         if join is None or any(type(layer) is not kind for layer in layers):
-            raise ValueError(
-                "the ubatches returned DynamicCaches with layers dbo cannot join "
-                f"({', '.join(type(layer).__name__ for layer in layers)}); pass use_cache=False"
-            )
+            refuse_join("DynamicCaches with layers dbo cannot join "
+                        f"({', '.join(type(layer).__name__ for layer in layers)})")
         cache.layers.append(join(list(layers)))
     if cache_state(cache) is not None:
         join_cache_state(cache, parts)
     return cache
 
 
-def _joined_keys(parts: list[Any]) -> Any:
+def join_keys(parts: list[Any]) -> Any:
     """One DynamicLayer or sliding-window layer of the rows of `parts`."""
     kind = type(parts[0])
     layer = kind(parts[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
@@ -59,7 +55,7 @@ def _joined_keys(parts: list[Any]) -> Any:
     return layer
 
 
-def _joined_states(parts: list[Any]) -> Any:
+def join_states(parts: list[Any]) -> Any:
     """One LinearAttentionLayer of the rows of `parts` (the same states of each); with
     attention keys or a window too (the hybrid layers), those joined as well."""
     options = dict(number_of_states=parts[0].number_of_states)
@@ -70,13 +66,9 @@ def _joined_states(parts: list[Any]) -> Any:
         fill_keys(layer, parts)
     for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
                  "is_conv_states_initialized", "is_recurrent_states_initialized"):
-        values = [getattr(part, name) for part in parts]
-        if any(value != values[0] for value in values):
-            raise RuntimeError(
-                f"the ubatches' caches differ in {name} of a linear-attention layer ({values}); "
-                "each must run the same forward on its rows"
-            )
-        setattr(layer, name, copy.copy(values[0]))
+        value = same([getattr(part, name) for part in parts],
+                     f"{name} of a linear-attention layer")
+        setattr(layer, name, copy.copy(value))
     for name in ("conv_states", "recurrent_states"):
         getattr(layer, name).update({
             index: None if states[0] is None else torch.cat(states)
@@ -86,16 +78,16 @@ def _joined_states(parts: list[Any]) -> Any:
     return layer
 
 
-def _joined_indexed(parts: list[Any]) -> Any:
+def join_indexed(parts: list[Any]) -> Any:
     """One DynamicIndexedLayer of the rows of `parts`: keys, values and indexer keys."""
-    refuse_indexer_positions(parts)
-    layer = _joined_keys(parts)
+    check_indexer_positions(parts)
+    layer = join_keys(parts)
     if all(part.is_indexer_initialized for part in parts):
         fill_indexer(layer, parts)
     return layer
 
 
-def _joined_model_layer(parts: list[Any]) -> Any:
+def join_model_layer(parts: list[Any]) -> Any:
     """One layer of a model's own class (`dbo.hf.model_caches`) of the rows of `parts`."""
     layer = copy.copy(parts[0])
     join_rows(layer, parts)
@@ -103,9 +95,9 @@ def _joined_model_layer(parts: list[Any]) -> Any:
 
 
 _JOINS: dict[Any, Any] = {
-    DynamicLayer: _joined_keys, DynamicSlidingWindowLayer: _joined_keys,
-    LinearAttentionLayer: _joined_states, LinearAttentionAndFullAttentionLayer: _joined_states,
-    LinearAttentionAndSlidingWindowAttentionLayer: _joined_states,
-    DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: _joined_indexed,
+    DynamicLayer: join_keys, DynamicSlidingWindowLayer: join_keys,
+    LinearAttentionLayer: join_states, LinearAttentionAndFullAttentionLayer: join_states,
+    LinearAttentionAndSlidingWindowAttentionLayer: join_states,
+    DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: join_indexed,
 }
 """How to join each kind of layer the ubatches made in caches of their own."""

@@ -4,8 +4,8 @@
 - `StateRows`: rows of a `LinearAttentionLayer`'s states.
 - `HybridRows`, `SlidingHybridRows`, `StaticHybridRows`, `StaticSlidingHybridRows`: rows
   of a layer holding both attention keys (or a window) and states (Falcon-H1, Zaya,
-  Inkling: `transformers`' four `LinearAttentionAnd...Layer`s): `StateRows` with the
-  way of the attention layer of its kind (`_hybrid`).
+  Inkling: `transformers`' four `LinearAttentionAnd...Layer`s): `StateRows` and the row
+  class of the attention layer of its kind (`Hybrid`).
 """
 
 from __future__ import annotations
@@ -22,37 +22,35 @@ from dbo.hf.attention import (
     for_every_row,
     initialize_once,
 )
-from dbo.hf.dynamic import GrowingRows, check_rows
+from dbo.hf.dynamic import GrowingRows
+from dbo.hf.refusals import check_rows
+from dbo.hf.rows import Rows, same
 from dbo.ubatch import follow_mark, run_state
 
 
-class StateRows(LinearAttentionLayer):
-    """Rows [start, stop) of a whole `LinearAttentionLayer`: views of the rows of its conv
+class StateRows(Rows, LinearAttentionLayer):
+    """A ubatch's rows of a whole `LinearAttentionLayer`: views of the rows of its conv
     and recurrent states (`[B, ...]` each), which the layer's updates and the model's own
     kernels write in place, so the writes land in the caller's states. `transformers`'
     Cache reads `has_previous_state` before it hands out a state, and the updates go
-    through this layer: either enters the call and, at each run's first, takes the views
-    afresh. Each call overwrites the states, which a failed call cannot undo: the cache
-    is marked until the call ends (and a marked cache is refused)."""
+    through this layer: either enters the call. Each call overwrites the states, which a
+    failed call cannot undo: the cache is marked until the call ends (and a marked cache
+    is refused)."""
 
-    def __init__(
-        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
-        batch_size: int,
-    ) -> None:
-        self.call: Any | None = None  # not entered while the base class sets its fields
-        super().__init__(number_of_states=whole.number_of_states)
-        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
-        self.states_run: object = None
+    def __init__(self, whole: Any, shared: Any, call: Any, ubatch: int, rows: slice) -> None:
+        self.entering = False  # not while the base class sets its fields
+        LinearAttentionLayer.__init__(self, number_of_states=whole.number_of_states)
+        Rows.__init__(self, whole, shared, call, ubatch, rows)
         for states in (*whole.conv_states.values(), *whole.recurrent_states.values()):
             if states is not None:
-                check_rows(type(call.whole).__name__, states.shape[0], batch_size)
+                check_rows(type(call.whole).__name__, states.shape[0], self.whole_batch)
         self._take_states()
-        self.call, self.ubatch = call, ubatch
+        self.entering = True
 
     @property  # reads come before every state the Cache hands out
     def has_previous_state(self) -> dict[int, bool]:
         """This ubatch's flags, entering the call."""
-        self._enter()
+        self.enter()
         return self._flags
 
     @has_previous_state.setter
@@ -60,22 +58,22 @@ class StateRows(LinearAttentionLayer):
         self._flags = flags
 
     def update_conv_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._enter()
-        return super().update_conv_state(*args, **kwargs)
+        self.enter()
+        return LinearAttentionLayer.update_conv_state(self, *args, **kwargs)
 
     def update_recurrent_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._enter()
-        return super().update_recurrent_state(*args, **kwargs)
+        self.enter()
+        return LinearAttentionLayer.update_recurrent_state(self, *args, **kwargs)
 
     def increase_count(self, *args: Any, **kwargs: Any) -> None:
         """This ubatch's token count (`transformers` >= 5.25 counts in the layer)."""
-        self._enter()
-        super().increase_count(*args, **kwargs)
+        self.enter()
+        LinearAttentionLayer.increase_count(self, *args, **kwargs)
 
     def get_seq_length(self, *args: Any, **kwargs: Any) -> Any:
         """This ubatch's token count, entering the call."""
-        self._enter()
-        return super().get_seq_length(*args, **kwargs)
+        self.enter()
+        return LinearAttentionLayer.get_seq_length(self, *args, **kwargs)
 
     def lazy_initialization(
         self, conv_states: torch.Tensor | None = None,
@@ -109,17 +107,18 @@ class StateRows(LinearAttentionLayer):
         self._take_states()
         self._flags = flags  # this ubatch's, as the call left them so far
 
-    def _enter(self) -> None:
-        if self.call is None:
-            return
-        self.call.enter(self.ubatch)
-        self.call.whole._dbo_overwritten = True  # until the call ends
-        if self.states_run is not run_state():
-            self.states_run = run_state()
-            self._take_states()
-            for key, mark in self.call.marks.items():
-                if key[:2] == (id(self.whole), "states"):  # made by another ubatch
-                    follow_mark(mark)
+    def enter(self) -> None:
+        """Count in, and mark the cache: this ubatch is about to write its states."""
+        if self.entering:
+            super().enter()
+            self.call.whole._dbo_overwritten = True  # until the call ends
+
+    def refresh(self) -> None:
+        self._take_states()
+        for key, mark in self.call.marks.items():
+            if key[:2] == (id(self.whole), "states"):  # made by another ubatch
+                follow_mark(mark)
+        super().refresh()
 
     def _take_states(self) -> None:
         whole = self.whole
@@ -136,53 +135,63 @@ class StateRows(LinearAttentionLayer):
         if counted is not None:
             self.cumulative_length_linear = counted.clone()  # every row's: the same count
 
-    @staticmethod
-    def end_call(whole: Any, parts: list[Any]) -> None:
+    @classmethod
+    def end_call(cls, whole: Any, parts: list[Any]) -> None:
         """The caller's flags and token count after a call: the ubatches' (the states
         are written in place)."""
-        ran = [part for part in parts if part.states_run is run_state()]
-        flags = [part._flags for part in ran]
-        if any(flag != flags[0] for flag in flags):
-            raise RuntimeError(
-                "the ubatches left different linear-attention states in one cache layer "
-                f"({flags}); each must run the same forward on its rows"
-            )
-        if flags:
-            whole.has_previous_state = dict(flags[0])
-        if ran and getattr(whole, "cumulative_length_linear", None) is not None:
-            # in place, as the layer's own count moves: a captured graph replays it
-            whole.cumulative_length_linear.copy_(ran[0].cumulative_length_linear)
+        ran = [part for part in parts if part.run is run_state()]
+        flags = same([part._flags for part in ran], "linear-attention states in one cache layer")
+        if ran:
+            whole.has_previous_state = dict(flags)
+            if getattr(whole, "cumulative_length_linear", None) is not None:
+                # in place, as the layer's own count moves: a captured graph replays it
+                whole.cumulative_length_linear.copy_(ran[0].cumulative_length_linear)
 
 
-def _hybrid(attention: Any, name: str) -> Any:
-    """The class of a ubatch's rows of a layer holding both `attention`'s keys (or window)
-    and linear-attention states, as `transformers`' hybrid layers do: it initializes as
-    both, tells their lazy initializations apart as `transformers` does (the attention's
-    takes two positional arguments, the states' keywords), and ends a call as both."""
+class Hybrid(StateRows):
+    """The rows of a layer holding both attention keys (or a window) and linear-attention
+    states, as `transformers`' hybrid layers do: made as both, its lazy initializations
+    told apart as `transformers` does (the attention's takes two positional arguments,
+    the states' keywords), its length the keys', and a call ended as both. Each subclass
+    names its attention row class second among its bases."""
 
-    def __init__(self: Any, *args: Any) -> None:
-        attention.__init__(self, *args)
-        StateRows.__init__(self, *args)
+    attention: type[Any] = Rows
 
-    def lazy_initialization(self: Any, *args: Any, **kwargs: Any) -> None:
-        (attention if args else StateRows).lazy_initialization(self, *args, **kwargs)
+    def __init__(self, whole: Any, shared: Any, call: Any, ubatch: int, rows: slice) -> None:
+        self.attention.__init__(self, whole, shared, call, ubatch, rows)
+        StateRows.__init__(self, whole, shared, call, ubatch, rows)
 
-    def get_seq_length(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return attention.get_seq_length(self, *args, **kwargs)  # the keys' length
+    def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+        (self.attention if args else StateRows).lazy_initialization(self, *args, **kwargs)
 
-    def end_call(whole: Any, parts: list[Any]) -> None:
-        attention.end_call(whole, parts)
+    def get_seq_length(self, *args: Any, **kwargs: Any) -> Any:
+        return self.attention.get_seq_length(self, *args, **kwargs)
+
+    @classmethod
+    def end_call(cls, whole: Any, parts: list[Any]) -> None:
+        cls.attention.end_call(whole, parts)
         StateRows.end_call(whole, parts)
 
-    return type(name, (StateRows, attention), {
-        "__init__": __init__, "lazy_initialization": lazy_initialization,
-        "get_seq_length": get_seq_length, "end_call": staticmethod(end_call),
-        "__module__": __name__,
-        "__doc__": f"Hybrid rows: the states as `StateRows`, keys as `{attention.__name__}`.",
-    })
+
+class HybridRows(Hybrid, GrowingRows):  # type: ignore[misc, override]  # transformers' bases, as its own
+    """Rows of a `LinearAttentionAndFullAttentionLayer`."""
+
+    attention = GrowingRows
 
 
-HybridRows = _hybrid(GrowingRows, "HybridRows")  # LinearAttentionAndFullAttentionLayer
-SlidingHybridRows = _hybrid(WindowRows, "SlidingHybridRows")
-StaticHybridRows = _hybrid(StaticRows, "StaticHybridRows")
-StaticSlidingHybridRows = _hybrid(StaticWindowRows, "StaticSlidingHybridRows")
+class SlidingHybridRows(Hybrid, WindowRows):  # type: ignore[misc, override]  # transformers' bases, as its own
+    """Rows of a `LinearAttentionAndSlidingWindowAttentionLayer`."""
+
+    attention = WindowRows
+
+
+class StaticHybridRows(Hybrid, StaticRows):  # type: ignore[misc, override]  # transformers' bases, as its own
+    """Rows of a `LinearAttentionAndStaticFullAttentionLayer`."""
+
+    attention = StaticRows
+
+
+class StaticSlidingHybridRows(Hybrid, StaticWindowRows):  # type: ignore[misc, override]  # transformers' bases, as its own
+    """Rows of a `LinearAttentionAndStaticSlidingWindowAttentionLayer`."""
+
+    attention = StaticWindowRows

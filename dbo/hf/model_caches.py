@@ -2,24 +2,29 @@
 class name (so `dbo` imports no model):
 
 - Layers of its own (DeepSeek-V4's compressed attention: a sliding window, plus
-  compressor buffers and compressed entries kept per row): the layer's own methods run
-  on the ubatch's rows of every per-row tensor it keeps, making new tensors and leaving
-  the caller's layer untouched; the call's end joins the ubatches' tensors into the
-  caller's layer (one copy of each), as `WindowRows` does for a plain sliding window.
+  compressor buffers and compressed entries kept per row): a copy of the caller's layer
+  holds the ubatch's rows of every per-row tensor it keeps, and the layer's own methods
+  run on it, making new tensors and leaving the caller's layer untouched; the call's end
+  joins the ubatches' tensors into the caller's layer (one copy of each), as
+  `WindowRows` does for a plain sliding window.
 - A cache class of its own (MiniMax's: a list of per-row linear-attention states, one per
   layer, beside DynamicLayers): each ubatch's cache holds a list of its rows, which the
   model's setter replaces entry by entry; the call's end joins the lists.
+
+The copies are of the model's own classes (the model and `transformers` test their
+class), with one method hooked on each copy alone: the first write enters the call.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 
 from dbo.hf.attention import all_wrote
-from dbo.hf.dynamic import check_rows
-from dbo.ubatch import run_state
+from dbo.hf.refusals import check_rows
+from dbo.hf.rows import Rows, same
 
 _DEEPSEEK_V4 = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 _COMPRESSED = ("keys", "values", "buffer_kv", "buffer_gate", "compressed_kv")
@@ -39,58 +44,41 @@ CACHE_STATES: dict[tuple[str, str], tuple[str, str]] = {
 """Per DynamicCache subclass (module, name): the attribute holding a list of per-row
 tensors (`[]` for a layer without one) and the method the model sets an entry with."""
 
-_made: dict[type, type] = {}
+HOOKED = "update"
+"""The method hooked on a ubatch's copy of a model's layer (not the model's state)."""
 
 
-def model_rows(layer_class: type) -> type | None:
-    """The class of a ubatch's rows of a `layer_class` layer, or None if not a known one."""
-    known = MODEL_LAYERS.get(_name(layer_class))
-    if known is None:
-        return None
-    if layer_class not in _made:
-        # No `_layer_type` of its own: transformers would map the model's layer type to it.
-        _made[layer_class] = type(f"{layer_class.__name__}Rows", (ModelRows, layer_class),
-                                  {"STATES": known[0], "_layer_type": None})
-    return _made[layer_class]
+def class_name(kind: type) -> tuple[str, str]:
+    """(module, name) of a class: how the tables above know a model's classes."""
+    return kind.__module__, kind.__name__
 
 
-def _name(layer_class: type) -> tuple[str, str]:
-    return layer_class.__module__, layer_class.__name__
+class ModelRows(Rows):
+    """A ubatch's rows of a whole layer of a model's own class (listed in `MODEL_LAYERS`):
+    `layer`, a copy of it, holds them, from the caller's layer as it is at each run's
+    first write (`capture_graph` runs the same parts more than once)."""
 
+    layer: Any = None
 
-class ModelRows:
-    """Rows [start, stop) of a whole layer of a model's own class (the class this is mixed
-    into, listed in `MODEL_LAYERS`), from the caller's layer as it is at each run's first
-    write (`capture_graph` runs the same parts more than once). Its own attributes are
-    slots, so that the layer's `__dict__` holds the model's state alone (what a join copies)."""
-
-    __slots__ = ("whole", "rows", "whole_batch", "shared", "call", "ubatch", "run", "updated")
-    STATES: tuple[str, ...] = ()
-
-    def __init__(
-        self, whole: Any, shared: Any, call: Any, ubatch: int, start: int, stop: int,
-        batch_size: int,
-    ) -> None:
-        self.whole, self.rows, self.whole_batch = whole, slice(start, stop), batch_size
-        self.shared, self.call, self.ubatch = shared, call, ubatch
-        self.run: object = None
-        self._take_rows()
+    def __init__(self, whole: Any, shared: Any, call: Any, ubatch: int, rows: slice) -> None:
+        super().__init__(whole, shared, call, ubatch, rows)
+        self.states = MODEL_LAYERS[class_name(type(whole))][0]
+        self.layer = copy.copy(whole)
+        setattr(self.layer, HOOKED, self.update)  # this copy alone: enters the call first
+        self.refresh()
 
     def update(self, *args: Any, **kwargs: Any) -> Any:
         """The layer's own update on this ubatch's rows (the first write of each layer's
         forward: its other methods then work on the same rows)."""
-        self.call.enter(self.ubatch)
-        if self.run is not run_state():
-            self.run = run_state()
-            self._take_rows()
+        self.enter()
         self.updated = True
-        return super().update(*args, **kwargs)  # type: ignore[misc]
+        return type(self.layer).update(self.layer, *args, **kwargs)
 
-    def _take_rows(self) -> None:
+    def refresh(self) -> None:
         for name, value in vars(self.whole).items():
-            if name in self.STATES:
+            if name in self.states:
                 value = self._rows_of(value)
-            setattr(self, name, dict(value) if isinstance(value, dict) else value)
+            setattr(self.layer, name, dict(value) if isinstance(value, dict) else value)
         self.updated = False
 
     def _rows_of(self, value: Any) -> Any:
@@ -101,28 +89,25 @@ class ModelRows:
             return value[self.rows]
         return value
 
-    @staticmethod
-    def end_call(whole: Any, parts: list[Any]) -> None:
+    @classmethod
+    def end_call(cls, whole: Any, parts: list[Any]) -> None:
         """After a call: the ubatches' per-row tensors joined into the caller's layer."""
         if all_wrote(parts, "updated", f"a {type(whole).__name__}"):
-            parts[0].shared.bytes_written += join_rows(whole, parts)
+            parts[0].shared.bytes_written += join_rows(whole, [part.layer for part in parts])
 
 
-def join_rows(whole: Any, parts: list[Any]) -> int:
-    """`whole` (a layer of a `MODEL_LAYERS` class) holds the rows of `parts`: their states
+def join_rows(whole: Any, layers: list[Any]) -> int:
+    """`whole` (a layer of a `MODEL_LAYERS` class) holds the rows of `layers`: their states
     joined, the rest as the first's (the counters the same in each); the bytes written."""
-    states, agree = MODEL_LAYERS[_name(type(whole))]
+    states, agree = MODEL_LAYERS[class_name(type(whole))]
     for name in agree:
-        values = [getattr(part, name) for part in parts]
-        if any(value != values[0] for value in values):
-            raise RuntimeError(
-                f"the ubatches ended a call with different {name} in one "
-                f"{type(whole).__name__} ({values}); each must run the same forward on its rows"
-            )
+        same([getattr(layer, name) for layer in layers], f"{name} in one {type(whole).__name__}")
     joined: dict[tuple[int, ...], Any] = {}  # a tensor two states hold is joined once
-    for name, value in vars(parts[0]).items():  # the model's state (dbo's is in slots)
+    for name, value in vars(layers[0]).items():
+        if name == HOOKED:
+            continue
         if name in states:
-            value = _joined([vars(part)[name] for part in parts], joined)
+            value = _joined([vars(layer)[name] for layer in layers], joined)
         setattr(whole, name, dict(value) if isinstance(value, dict) else value)  # own dicts
     return sum(tensor.nbytes for tensor in joined.values())
 
@@ -141,39 +126,35 @@ def _joined(values: list[Any], joined: dict[tuple[int, ...], Any]) -> Any:
 
 def cache_state(cache: Any) -> str | None:
     """The name of the list of per-row states `cache`'s class keeps, if a known one."""
-    known = CACHE_STATES.get(_name(type(cache)))
+    known = CACHE_STATES.get(class_name(type(cache)))
     return None if known is None else known[0]
 
 
 def split_cache_state(child: Any, whole: Any, rows: slice, batch_size: int, enter: Any) -> None:
     """`child` (a copy of `whole`) holds its own list of `rows` of `whole`'s states, and
-    the model's setter first calls `enter()` (the ubatch's first write enters the call)."""
-    name, setter = CACHE_STATES[_name(type(whole))]
+    its setter (hooked on `child` alone) first calls `enter()`: the ubatch's first write
+    enters the call."""
+    name, setter = CACHE_STATES[class_name(type(whole))]
     for state in getattr(whole, name):
         if isinstance(state, torch.Tensor):
             check_rows(type(whole).__name__, state.shape[0], batch_size)
     setattr(child, name, [state[rows] if isinstance(state, torch.Tensor) else state
                           for state in getattr(whole, name)])
-    if type(whole) not in _made:
-        def set_state(self: Any, *args: Any, **kwargs: Any) -> Any:
-            self._dbo_enter()
-            return getattr(super(made, self), setter)(*args, **kwargs)
+    set_state = getattr(type(whole), setter)
 
-        made = _made[type(whole)] = type(f"{type(whole).__name__}Rows", (type(whole),),
-                                          {setter: set_state})
-    child.__class__ = _made[type(whole)]
-    child._dbo_enter = enter
+    def entering_set_state(*args: Any, **kwargs: Any) -> Any:
+        enter()
+        return set_state(child, *args, **kwargs)
+
+    setattr(child, setter, entering_set_state)
 
 
 def join_cache_state(whole: Any, parts: list[Any]) -> None:
     """`whole` (a cache of a `CACHE_STATES` class) holds the rows of `parts`' states."""
-    name = CACHE_STATES[_name(type(whole))][0]
+    name = CACHE_STATES[class_name(type(whole))][0]
     lists = [getattr(part, name) for part in parts]
-    if len({len(states) for states in lists}) != 1:
-        raise RuntimeError(
-            f"the ubatches' {type(whole).__name__}s hold states of different numbers of layers "
-            f"({[len(states) for states in lists]}); each must run the same forward on its rows"
-        )
+    same([len(states) for states in lists],
+         f"numbers of layers' states in one {type(whole).__name__}")
     setattr(whole, name, [  # torch.cat raises if some ubatches set a state and some not
         torch.cat(states) if any(isinstance(state, torch.Tensor) for state in states)
         else states[0] for states in zip(*lists)

@@ -159,13 +159,13 @@ def test_the_caller_kv_cache_is_brought_up_to_date_after_every_ubatchs_streams(
     transformers = pytest.importorskip("transformers")
     from dbo.hf import cache
 
-    bring_up_to_date = cache._Call._bring_up_to_date
+    bring_up_to_date = cache.Call.bring_up_to_date
 
     def logged(call: Any) -> None:
         log.append(("finish", _backend().current_stream().name))
         bring_up_to_date(call)
 
-    monkeypatch.setattr(cache._Call, "_bring_up_to_date", logged)
+    monkeypatch.setattr(cache.Call, "bring_up_to_date", logged)
     config = transformers.Qwen2Config(num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=2, hidden_size=16)
     cache = transformers.StaticCache(config=config, max_cache_len=8)
