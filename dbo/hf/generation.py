@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dbo.hf.refusals import check_generation_model
 from dbo.hf.versions import check_transformers
 from dbo.overlap import overlap
 from dbo.split import rules
@@ -94,16 +95,7 @@ def overlap_generation(
     `UntestedVersionError` on a `transformers` release dbo is not tested on.
     """
     check_transformers()
-    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
-        raise ValueError(
-            f"overlap_generation needs a transformers model with a generate method, got "
-            f"{type(model).__name__}"
-        )
-    if getattr(model.__dict__.get("forward"), "_dbo_generation", False):
-        raise ValueError(
-            f"this {type(model).__name__} is already overlapped by overlap_generation; "
-            "call .remove() on its handle first"
-        )
+    check_generation_model(model)
     for name, value in (("min_prefill_tokens", min_prefill_tokens),
                         ("min_decode_tokens", min_decode_tokens)):
         if type(value) is not int or value < 0:

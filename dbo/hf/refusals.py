@@ -1,11 +1,14 @@
 """Every `transformers` input dbo refuses, in one place. Each check raises the error a
 user meets, naming what was passed and the way on; the release check is
 `dbo.hf.versions.check_transformers`, and ubatches that did not run the same forward on
-their rows meet `dbo.hf.rows.same`.
+their rows meet `dbo.hf.rows.same`. This module imports `transformers` only once a
+cache is met (`dbo.hf` itself imports none).
 
-dbo splits by rows the DynamicCache and StaticCache of full-attention, sliding-window,
-indexed (sparse attention) and linear-attention layers and their hybrids, DeepSeek-V4's
-layers and MiniMax's cache (`dbo.hf.cache.ROWS`). Refused:
+`overlap_generation` takes a model with a `generate` method, not overlapped already
+(`check_generation_model`). dbo splits by rows the DynamicCache and StaticCache of
+full-attention, sliding-window, indexed (sparse attention) and linear-attention layers
+and their hybrids, DeepSeek-V4's layers and MiniMax's cache (`dbo.hf.cache.ROWS`).
+Refused:
 
 - any other cache class or layer kind (quantized, a model's own), offloading, a cache
   whose new layers are made of another class (`check_splittable`);
@@ -22,17 +25,27 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
 
-WHAT_SPLITS = (
-    "it splits transformers' DynamicCache and StaticCache of full-attention, sliding-window "
-    "and linear-attention layers"
-)
+
+def check_generation_model(model: Any) -> None:
+    """ValueError unless `overlap_generation` can take `model`."""
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "generate", None)):
+        raise ValueError(
+            f"overlap_generation needs a transformers model with a generate method, got "
+            f"{type(model).__name__}"
+        )
+    if getattr(model.__dict__.get("forward"), "_dbo_generation", False):
+        raise ValueError(
+            f"this {type(model).__name__} is already overlapped by overlap_generation; "
+            "call .remove() on its handle first"
+        )
 
 
 def check_splittable(cache: Any, known: bool, unknown: list[str]) -> None:
     """ValueError unless dbo can split `cache` by rows: `known` says whether its class is
     one dbo splits, `unknown` names its layers of kinds with no row class."""
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer  # a cache exists
+
     odd = list(unknown)
     odd += [f"{type(layer).__name__} (recording past states)" for layer in cache.layers
             if isinstance(layer, LinearAttentionLayer) and layer.record_past]
@@ -47,9 +60,10 @@ def check_splittable(cache: Any, known: bool, unknown: list[str]) -> None:
         elif offloading:
             what += " that offloads"
         raise ValueError(
-            f"dbo.overlap cannot split {what} by rows ({WHAT_SPLITS}); pass use_cache=False "
-            "(or cache_implementation='dynamic'), or register a rule for it with "
-            "dbo.register_split_rule"
+            f"dbo.overlap cannot split {what} by rows (it splits transformers' DynamicCache "
+            "and StaticCache of full-attention, sliding-window and linear-attention layers); "
+            "pass use_cache=False (or cache_implementation='dynamic'), or register a rule for "
+            "it with dbo.register_split_rule"
         )
     if getattr(cache, "_dbo_overwritten", False):
         raise ValueError(
