@@ -38,41 +38,11 @@ import copy
 import functools
 from typing import Any
 
-from transformers.cache_utils import (
-    Cache,
-    DummyLayer,
-    DynamicCache,
-    DynamicIndexedLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer,
-    LinearAttentionAndStaticFullAttentionLayer,
-    LinearAttentionAndStaticSlidingWindowAttentionLayer,
-    LinearAttentionLayer,
-    StaticCache,
-    StaticIndexedLayer,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-)
+from transformers import cache_utils as hf
 
-from dbo.hf import model_caches
-from dbo.hf.attention import (
-    IndexedRows,
-    StaticIndexedRows,
-    StaticRows,
-    StaticWindowRows,
-    WindowRows,
-)
+from dbo.hf import attention, linear_attention, model_caches
 from dbo.hf.dynamic import Growing, GrowingRows, NewLayer, growing_state
 from dbo.hf.joins import joined
-from dbo.hf.linear_attention import (
-    HybridRows,
-    SlidingHybridRows,
-    StateRows,
-    StaticHybridRows,
-    StaticSlidingHybridRows,
-)
 from dbo.hf.model_caches import ModelRows, cache_state, join_cache_state, split_cache_state
 from dbo.hf.refusals import check_splittable, refuse_in_capture
 from dbo.hf.rows import Rows, same
@@ -80,20 +50,23 @@ from dbo.hf.versions import check_transformers
 from dbo.split import rules
 from dbo.ubatch import at_ubatch_exit, capturing, run_state, wait_for_every_ubatch
 
-_MODEL_LAYERS = dict.fromkeys(model_caches.MODEL_LAYERS, ModelRows)
 ROWS: dict[Any, dict[Any, type[Rows]]] = {
-    DynamicCache: {
-        DynamicLayer: GrowingRows, DynamicSlidingWindowLayer: WindowRows,
-        DynamicIndexedLayer: IndexedRows, LinearAttentionLayer: StateRows,
-        LinearAttentionAndFullAttentionLayer: HybridRows,
-        LinearAttentionAndSlidingWindowAttentionLayer: SlidingHybridRows,
-        **_MODEL_LAYERS,  # a model's own layers, by (module, name)
+    hf.DynamicCache: {
+        hf.DynamicLayer: GrowingRows, hf.DynamicSlidingWindowLayer: attention.WindowRows,
+        hf.DynamicIndexedLayer: attention.IndexedRows,
+        hf.LinearAttentionLayer: linear_attention.StateRows,
+        hf.LinearAttentionAndFullAttentionLayer: linear_attention.HybridRows,
+        hf.LinearAttentionAndSlidingWindowAttentionLayer: linear_attention.SlidingHybridRows,
+        **dict.fromkeys(model_caches.MODEL_LAYERS, ModelRows),  # by (module, name)
     },
-    StaticCache: {
-        StaticLayer: StaticRows, StaticSlidingWindowLayer: StaticWindowRows,
-        StaticIndexedLayer: StaticIndexedRows, LinearAttentionLayer: StateRows,
-        LinearAttentionAndStaticFullAttentionLayer: StaticHybridRows,
-        LinearAttentionAndStaticSlidingWindowAttentionLayer: StaticSlidingHybridRows,
+    hf.StaticCache: {
+        hf.StaticLayer: attention.StaticRows,
+        hf.StaticSlidingWindowLayer: attention.StaticWindowRows,
+        hf.StaticIndexedLayer: attention.StaticIndexedRows,
+        hf.LinearAttentionLayer: linear_attention.StateRows,
+        hf.LinearAttentionAndStaticFullAttentionLayer: linear_attention.StaticHybridRows,
+        hf.LinearAttentionAndStaticSlidingWindowAttentionLayer:
+            linear_attention.StaticSlidingHybridRows,
     },
 }
 """For each cache class, the row class (`dbo.hf.rows.Rows`) of each kind of layer it
@@ -107,7 +80,7 @@ def register() -> None:
     """Register the rule for `transformers.cache_utils.Cache` (once)."""
     global _REGISTERED
     if not _REGISTERED:
-        rules.register_split_rule(Cache, split=split_cache, merge=merge_caches)
+        rules.register_split_rule(hf.Cache, split=split_cache, merge=merge_caches)
         _REGISTERED = True
 
 
@@ -115,7 +88,7 @@ def rows_class(cache: Any, layer: Any) -> type[Rows] | None:
     """The row class of `layer` of `cache` (None: dbo does not split it)."""
     kinds = ROWS.get(type(cache))
     if kinds is None and cache_state(cache) is not None:
-        kinds = ROWS[DynamicCache]
+        kinds = ROWS[hf.DynamicCache]
     if kinds is None:
         return None
     return kinds.get(type(layer)) or kinds.get(model_caches.class_name(type(layer)))
@@ -127,7 +100,7 @@ def split_cache(cache: Any, rows: list[int]) -> list[Any]:
     layers = [(layer, rows_class(cache, layer)) for layer in cache.layers]
     check_splittable(cache, type(cache) in ROWS or cache_state(cache) is not None,
                      [type(layer).__name__ for layer, kind in layers
-                      if kind is None and type(layer) is not DummyLayer])
+                      if kind is None and type(layer) is not hf.DummyLayer])
     call = Call(cache, rows)
     shared = call.growing.layers if call.growing is not None else [None] * len(layers)
     start = 0
@@ -175,7 +148,7 @@ class Call:
         self.parts: dict[int, list[Any]] = {}
         """Per layer index, each ubatch's rows of it (`Rows`)."""
         self.growing: Growing | None = None
-        if isinstance(whole, DynamicCache):
+        if isinstance(whole, hf.DynamicCache):
             self.growing = growing_state(whole, self.batch_size, len(rows))
         self.marks: dict[Any, Any] = {}
         """Per caller's layer (and part of it) one ubatch made for every row in this run,

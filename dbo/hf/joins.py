@@ -7,16 +7,7 @@ import copy
 from typing import Any
 
 import torch
-from transformers.cache_utils import (
-    DummyLayer,
-    DynamicCache,
-    DynamicIndexedLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer,
-    LinearAttentionLayer,
-)
+from transformers import cache_utils as hf
 
 from dbo.hf.attention import fill_indexer, fill_keys
 from dbo.hf.model_caches import MODEL_LAYERS, cache_state, class_name, join_cache_state, join_rows
@@ -27,7 +18,7 @@ from dbo.hf.rows import same
 def joined(parts: list[Any]) -> Any:
     """Dynamic caches the ubatches made themselves, one cache of every row (one copy)."""
     cache_kind = type(parts[0])
-    if (cache_kind is not DynamicCache and cache_state(parts[0]) is None) or any(
+    if (cache_kind is not hf.DynamicCache and cache_state(parts[0]) is None) or any(
         type(part) is not cache_kind or len(part.layers) != len(parts[0].layers) for part in parts
     ):
         refuse_join("transformers caches that are not their parts of one cache passed in "
@@ -49,7 +40,7 @@ def joined(parts: list[Any]) -> Any:
 def join_keys(parts: list[Any]) -> Any:
     """One DynamicLayer or sliding-window layer of the rows of `parts`."""
     kind = type(parts[0])
-    layer = kind(parts[0].sliding_window) if kind is DynamicSlidingWindowLayer else kind()
+    layer = kind(parts[0].sliding_window) if kind is hf.DynamicSlidingWindowLayer else kind()
     if all(part.is_initialized for part in parts):
         fill_keys(layer, parts)
     return layer
@@ -59,10 +50,10 @@ def join_states(parts: list[Any]) -> Any:
     """One LinearAttentionLayer of the rows of `parts` (the same states of each); with
     attention keys or a window too (the hybrid layers), those joined as well."""
     options = dict(number_of_states=parts[0].number_of_states)
-    if isinstance(parts[0], DynamicSlidingWindowLayer):
+    if isinstance(parts[0], hf.DynamicSlidingWindowLayer):
         options["sliding_window"] = parts[0].sliding_window
     layer = type(parts[0])(**options)
-    if isinstance(layer, DynamicLayer) and all(part.is_initialized for part in parts):
+    if isinstance(layer, hf.DynamicLayer) and all(part.is_initialized for part in parts):
         fill_keys(layer, parts)
     for name in ("device", "dtype", "conv_kernel_size", "has_previous_state",
                  "is_conv_states_initialized", "is_recurrent_states_initialized"):
@@ -95,9 +86,9 @@ def join_model_layer(parts: list[Any]) -> Any:
 
 
 _JOINS: dict[Any, Any] = {
-    DynamicLayer: join_keys, DynamicSlidingWindowLayer: join_keys,
-    LinearAttentionLayer: join_states, LinearAttentionAndFullAttentionLayer: join_states,
-    LinearAttentionAndSlidingWindowAttentionLayer: join_states,
-    DummyLayer: lambda parts: DummyLayer(), DynamicIndexedLayer: join_indexed,
+    hf.DynamicLayer: join_keys, hf.DynamicSlidingWindowLayer: join_keys,
+    hf.LinearAttentionLayer: join_states, hf.LinearAttentionAndFullAttentionLayer: join_states,
+    hf.LinearAttentionAndSlidingWindowAttentionLayer: join_states,
+    hf.DummyLayer: lambda parts: hf.DummyLayer(), hf.DynamicIndexedLayer: join_indexed,
 }
 """How to join each kind of layer the ubatches made in caches of their own."""
