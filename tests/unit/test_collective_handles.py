@@ -21,6 +21,7 @@ import torch.distributed as dist
 import comm
 import comm._checks
 import comm.collectives
+import comm.distributed
 import dbo
 from comm.collectives import CollectiveWork
 
@@ -405,10 +406,8 @@ def test_a_collective_left_in_flight_by_an_aborted_ubatch_is_settled(
 def test_destroy_distributed_settles_abandoned_collectives(
     world_of_one: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from comm import _abandoned
-
     calls: list[float] = []
-    monkeypatch.setattr(_abandoned, "settle", lambda timeout_s=1.0: calls.append(timeout_s))
+    monkeypatch.setattr(comm.distributed, "settle", lambda timeout_s=1.0: calls.append(timeout_s))
     comm.destroy_distributed()
     assert len(calls) == 1
 
