@@ -203,20 +203,19 @@ def _adopt(backend: str | None, device: torch.device | str | int | None) -> None
                 f"initialized with backend {initialized!r}; {_START_ANOTHER}"
             )
     current = _state.device
-    if current is not None:
-        if device is not None:
-            local_rank = current.index if current.type == "cuda" and current.index else 0
-            wanted = _resolve_device(device, backend, local_rank)
-            if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
-                raise ValueError(
-                    f"comm.init_distributed(device={device!r}): torch.distributed is already "
-                    f"initialized for device {current}; {_START_ANOTHER}"
-                )
-        return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _state.device = _resolve_device(device, str(dist.get_backend()), local_rank)
-    if _state.device.type == "cuda":
-        torch.cuda.set_device(_state.device)
+    if current is None:
+        current = _state.device = _resolve_device(
+            device, str(dist.get_backend()), _env_int("LOCAL_RANK", 0)
+        )
+        if current.type == "cuda":
+            torch.cuda.set_device(current)
+    elif device is not None:
+        wanted = _resolve_device(device, backend, current.index or 0)
+        if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
+            raise ValueError(
+                f"comm.init_distributed(device={device!r}): torch.distributed is already "
+                f"initialized for device {current}; {_START_ANOTHER}"
+            )
 
 
 def _init_process_group(
