@@ -25,9 +25,6 @@ class GroupFacts(NamedTuple):
 _known: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupFacts] = weakref.WeakKeyDictionary()
 """The groups this rank is a member of, and their facts (weakly: a destroyed group goes)."""
 
-_DIST_AVAILABLE = dist.is_available()
-_GroupMember = dist.GroupMember if _DIST_AVAILABLE else None
-
 
 def still_registered(group: dist.ProcessGroup) -> bool:
     """Whether `group` belongs to the current world and is not destroyed (False where
@@ -47,12 +44,12 @@ def resolve_group(group: Any) -> dist.ProcessGroup:
 def resolve_group_and_facts(group: Any) -> tuple[dist.ProcessGroup, GroupFacts]:
     """`resolve_group(group)` and that group's `GroupFacts`; after a group's first call,
     one lookup (and a registry check for a group other than the default)."""
-    key = _GroupMember.WORLD if group is None and _GroupMember is not None else group
+    key = dist.GroupMember.WORLD if group is None else group
     if isinstance(key, dist.ProcessGroup):
         facts = _known.get(key)
         if facts is not None and (group is None or still_registered(key)):
             return key, facts
-    if not _DIST_AVAILABLE or not dist.is_initialized():
+    if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized; call comm.init_distributed() first (under "
             "torchrun, e.g. `torchrun --nproc-per-node 2 your_script.py`), or "
@@ -162,21 +159,6 @@ def check_async_op(async_op: Any) -> bool:
 def check_pair(output: Any, input: Any, is_nccl: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`output` and `input` of a two-tensor collective: tensors of one dtype and device,
     dense and contiguous, on CUDA for NCCL."""
-    # The common case in a few attribute reads (this runs on every collective); anything
-    # else goes through the checks below, which say what is wrong.
-    try:
-        if (
-            isinstance(output, torch.Tensor)
-            and isinstance(input, torch.Tensor)
-            and output.dtype is input.dtype
-            and ((output.is_cpu and input.is_cpu) or output.device == input.device)
-            and output.is_contiguous()
-            and input.is_contiguous()
-            and (input.is_cuda or not is_nccl)
-        ):
-            return output, input
-    except RuntimeError:  # a layout without strides (sparse CSR) refuses is_contiguous()
-        pass
     output = require_tensor("output", output)
     input = require_tensor("input", input)
     if output.dtype != input.dtype:
@@ -244,28 +226,22 @@ def check_all_to_all(
     byte, rows of one shape, sizes that add up; returns the split sizes as lists."""
     check_no_shared_bytes(output, input)
     shape = output.shape
-    same_shape = shape == input.shape
-    if not same_shape or not shape:  # equal shapes with a dim 0: the rows agree
-        if output.ndim == 0 or input.ndim == 0:
-            raise ValueError(
-                "all_to_all_single needs tensors with a dim 0 (not 0-dim), got shapes "
-                f"{tuple(shape)} (output) and {tuple(input.shape)} (input)"
-            )
-        if shape[1:] != input.shape[1:]:
-            raise ValueError(
-                f"output and input must have the same row shape (all dims but 0), got "
-                f"{tuple(shape)} and {tuple(input.shape)}"
-            )
-    if output_split_sizes is None and input_split_sizes is None:
-        if same_shape and shape[0] % world_size == 0:
-            return None, None  # even splits of equal shapes: the common call
-        if shape[0] != input.shape[0]:
-            raise ValueError(
-                f"without split sizes, output and input must have the same dim 0 (even "
-                f"parts of it go to and come from each rank), got {shape[0]} (output) "
-                f"and {input.shape[0]} (input); pass output_split_sizes and "
-                "input_split_sizes"
-            )
+    if output.ndim == 0 or input.ndim == 0:
+        raise ValueError(
+            "all_to_all_single needs tensors with a dim 0 (not 0-dim), got shapes "
+            f"{tuple(shape)} (output) and {tuple(input.shape)} (input)"
+        )
+    if shape[1:] != input.shape[1:]:
+        raise ValueError(
+            f"output and input must have the same row shape (all dims but 0), got "
+            f"{tuple(shape)} and {tuple(input.shape)}"
+        )
+    if output_split_sizes is None and input_split_sizes is None and shape[0] != input.shape[0]:
+        raise ValueError(
+            f"without split sizes, output and input must have the same dim 0 (even parts "
+            f"of it go to and come from each rank), got {shape[0]} (output) and "
+            f"{input.shape[0]} (input); pass output_split_sizes and input_split_sizes"
+        )
     return (
         check_split_sizes("output_split_sizes", output_split_sizes, "output", output, world_size),
         check_split_sizes("input_split_sizes", input_split_sizes, "input", input, world_size),

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from comm import _abandoned
+from comm._abandoned import abandon, is_over
 from comm._checks import (
     check_all_to_all,
     check_async_op,
@@ -50,7 +50,6 @@ from comm.groups import group_registry
 
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
-_CudaStream = torch.cuda.Stream
 
 # `all_gather_single` / `reduce_scatter_single` are the names since torch 2.13 (the old
 # ones warn); older torch has only the old ones.
@@ -134,13 +133,11 @@ class CollectiveWork:
                 _leave_in_flight(self._work, self._nccl)  # aborted
                 self._fail(_described(error))
                 raise
+        timeout_args = () if timeout is None else (timeout,)  # Work.wait takes no None
         try:
-            if timeout is None:
-                dbo.blocking_wait(self._work.wait, self._name)
-            else:
-                dbo.blocking_wait(self._work.wait, self._name, timeout)
+            dbo.blocking_wait(self._work.wait, self._name, *timeout_args)
         except BaseException as error:
-            if timeout is not None and not _abandoned.is_over(self._work):
+            if timeout is not None and not is_over(self._work):
                 raise  # only the caller's timeout passed: still in flight, as torch's Work
             self._fail(error)
             raise
@@ -163,7 +160,7 @@ class CollectiveWork:
         # process must not end before it does (comm._abandoned).
         try:
             if not self._done and self._error is None and not self._nccl:
-                _abandoned.abandon(self._work)  # no stream to join it into here
+                abandon(self._work)  # no stream to join it into here
         except Exception:  # noqa: BLE001, S110 - at interpreter exit anything may be gone
             pass
 
@@ -177,10 +174,6 @@ class CollectiveWork:
         return f"CollectiveWork({state}, yields={self._yields})"
 
 
-def _on_nccl(group: Any, tensors: Sequence[torch.Tensor]) -> bool:
-    return any(runs_on_nccl(group, tensor) for tensor in tensors)
-
-
 def _leave_in_flight(work: Any, nccl: bool) -> None:
     """An aborted ubatch leaves `work` unwaited. NCCL: the current stream waits for it
     (`Work.wait`, no host wait), and so the caller's stream. Others (gloo's wait blocks
@@ -189,7 +182,7 @@ def _leave_in_flight(work: Any, nccl: bool) -> None:
         with contextlib.suppress(Exception):  # a failed collective is over: nothing to join
             work.wait()
     else:
-        _abandoned.abandon(work)
+        abandon(work)
 
 
 class _ExitCell:
@@ -228,14 +221,14 @@ def _run(
     overlap (module docstring). `launch` is torch.distributed's public function (its last
     two parameters are `group` and `async_op`), which checks the arguments again."""
     stream = dbo.current_stream()  # None outside an overlap
-    if stream is None:
-        if async_op:
-            work = launch(*args, group, True)
-            return CollectiveWork(work, tensors, False, name, _on_nccl(group, tensors))
+    if stream is None and not async_op:
         dbo.blocking_wait(launch, name, *args, group, False)  # the plain blocking op
         return None
+    nccl = any(runs_on_nccl(group, tensor) for tensor in tensors)
+    if stream is None:
+        return CollectiveWork(launch(*args, group, True), tensors, False, name, nccl)
     ubatch_group = _registry.lookup(group, dbo.current_ubatch_id(), dbo.num_ubatches())
-    on_cuda = isinstance(stream, _CudaStream)  # CPU: no stream to move to, nothing to protect
+    on_cuda = isinstance(stream, torch.cuda.Stream)  # CPU: nothing to move or protect
     switched = on_cuda and not dbo.on_comm_stream()
     if switched:
         dbo.switch_to_comm()
@@ -247,7 +240,7 @@ def _run(
                 if tensor.is_cuda:
                     tensor.record_stream(comm_stream)
         if async_op:
-            handle = CollectiveWork(work, tensors, True, name, _on_nccl(group, tensors))
+            handle = CollectiveWork(work, tensors, True, name, nccl)
             # Waited at the ubatch's end if never waited, so the overlap's end covers it.
             cell = _ExitCell(handle)
             handle._exit_cell = weakref.ref(cell)
@@ -256,7 +249,7 @@ def _run(
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
         except BaseException:
-            _leave_in_flight(work, _on_nccl(group, tensors))  # aborted, on the comm stream
+            _leave_in_flight(work, nccl)  # aborted, on the comm stream
             raise
         dbo.blocking_wait(work.wait, name)
         return None

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
-from comm import _abandoned
+from comm._abandoned import settle
 from comm.groups import destroy_ubatch_groups, group_registry, ubatch_groups
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -69,8 +69,10 @@ def _torchrun_hint(missing: list[str]) -> str:
     )
 
 
-def _env_int(name: str) -> int:
-    value = os.environ[name]
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
     try:
         return int(value)
     except ValueError:
@@ -90,12 +92,9 @@ def _ranks_from_env(allow_single_process: bool) -> tuple[bool, int, int, int]:
         several = "RANK" in environ or environ.get("LOCAL_RANK", "0") != "0"
     if missing and (several or not allow_single_process):
         raise TorchrunEnvironmentError(_torchrun_hint(missing))
-    single = bool(missing)
-    defaults = (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    rank, world_size, local_rank = (
-        _env_int(name) if name in os.environ or not single else default
-        for name, default in defaults
-    )
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
     if world_size < 1:
         raise ValueError(f"environment variable WORLD_SIZE must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -104,7 +103,7 @@ def _ranks_from_env(allow_single_process: bool) -> tuple[bool, int, int, int]:
         )
     if local_rank < 0:
         raise ValueError(f"environment variable LOCAL_RANK must be >= 0, got {local_rank}")
-    return single, rank, world_size, local_rank
+    return bool(missing), rank, world_size, local_rank
 
 
 def _resolve_device(
@@ -112,12 +111,10 @@ def _resolve_device(
 ) -> torch.device:
     if device is None:
         wants_cpu = backend is not None and backend.lower() == "gloo"
-        if torch.cuda.is_available() and not wants_cpu:
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
+        device = "cuda" if torch.cuda.is_available() and not wants_cpu else "cpu"
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", local_rank)
+        return torch.device("cuda", local_rank)
     return resolved
 
 
@@ -186,8 +183,6 @@ def _check_arguments(backend: Any, timeout_s: Any, num_ubatch_groups: Any) -> No
         raise ValueError(
             f"num_ubatch_groups must be in [0, {dbo.MAX_NUM_UBATCHES}], got {num_ubatch_groups}"
         )
-    if not dist.is_available():
-        raise RuntimeError("this torch build has no torch.distributed support")
 
 
 _START_ANOTHER = "call comm.destroy_distributed() on every rank first to start another"
@@ -208,20 +203,19 @@ def _adopt(backend: str | None, device: torch.device | str | int | None) -> None
                 f"initialized with backend {initialized!r}; {_START_ANOTHER}"
             )
     current = _state.device
-    if current is not None:
-        if device is not None:
-            local_rank = current.index if current.type == "cuda" and current.index else 0
-            wanted = _resolve_device(device, backend, local_rank)
-            if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
-                raise ValueError(
-                    f"comm.init_distributed(device={device!r}): torch.distributed is already "
-                    f"initialized for device {current}; {_START_ANOTHER}"
-                )
-        return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    _state.device = _resolve_device(device, str(dist.get_backend()), local_rank)
-    if _state.device.type == "cuda":
-        torch.cuda.set_device(_state.device)
+    if current is None:
+        current = _state.device = _resolve_device(
+            device, str(dist.get_backend()), _env_int("LOCAL_RANK", 0)
+        )
+        if current.type == "cuda":
+            torch.cuda.set_device(current)
+    elif device is not None:
+        wanted = _resolve_device(device, backend, current.index or 0)
+        if wanted != current and not (wanted.type == current.type == "cpu"):  # cpu:N is cpu
+            raise ValueError(
+                f"comm.init_distributed(device={device!r}): torch.distributed is already "
+                f"initialized for device {current}; {_START_ANOTHER}"
+            )
 
 
 def _init_process_group(
@@ -267,9 +261,9 @@ def destroy_distributed() -> None:
     group. Idempotent; call it on every rank at the end (and before initializing again)."""
     if dbo.enabled():
         raise RuntimeError("comm.destroy_distributed() was called inside dbo.overlap")
-    _abandoned.settle()  # collectives an aborted ubatch left in flight end first
+    settle()  # the collectives an aborted ubatch left in flight end first
     destroy_ubatch_groups()
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         dist.destroy_process_group()
     _state.device = None
     _state.world = None

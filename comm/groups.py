@@ -42,7 +42,6 @@ class UBatchGroupRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._duplicates: dict[dist.ProcessGroup, list[dist.ProcessGroup]] = {}
-        self._is_duplicate: set[dist.ProcessGroup] = set()
         # As a non-member, per (ranks, backend, key): what the members count per group.
         self._created_as_non_member: dict[tuple[tuple[int, ...], str, Hashable], int] = {}
         self.timeout_s: float | None = None
@@ -60,7 +59,7 @@ class UBatchGroupRegistry:
         if num_ubatches > len(duplicates) and num_ubatches > 1 and base not in self._checked:
             self._checked.add(base)
             # Not for a duplicate passed on purpose, nor without a peer to wait for.
-            if base not in self._is_duplicate and base.size() > 1:
+            if not self._is_duplicate(base) and base.size() > 1:
                 warnings.warn(
                     f"comm: group {base.group_name!r} ({base.size()} ranks) has "
                     f"{len(duplicates)} per-ubatch duplicates for {num_ubatches} ubatches, so "
@@ -77,7 +76,7 @@ class UBatchGroupRegistry:
         self, base: dist.ProcessGroup, num_ubatches: int
     ) -> tuple[dist.ProcessGroup, ...]:
         with self._lock:
-            if base in self._is_duplicate:
+            if self._is_duplicate(base):
                 raise ValueError(
                     f"group {base.group_name!r} is itself a per-ubatch duplicate; pass the "
                     "base group (the one you use in model code) to comm.ubatch_groups"
@@ -97,7 +96,6 @@ class UBatchGroupRegistry:
                     if "nccl" in backend:  # also "cpu:gloo,cuda:nccl"
                         connect_now(duplicate)
                     existing.append(duplicate)
-                    self._is_duplicate.add(duplicate)
             return tuple(existing[:num_ubatches])
 
     def create_for_non_member(
@@ -118,6 +116,9 @@ class UBatchGroupRegistry:
                 self._new_group(ranks, backend, index)
                 if counted:
                     self._created_as_non_member[identity] = index + 1
+
+    def _is_duplicate(self, group: dist.ProcessGroup) -> bool:
+        return any(group in duplicates for duplicates in self._duplicates.values())
 
     def _timeout_for(self, base: dist.ProcessGroup) -> timedelta | None:
         """The timeout of `base`'s duplicates: `timeout_s` for the default group, else
@@ -162,7 +163,6 @@ class UBatchGroupRegistry:
             return  # destroying groups waits for a call outside any overlap
         for base in [base for base in self._duplicates if not still_registered(base)]:
             for duplicate in self._duplicates.pop(base):
-                self._is_duplicate.discard(duplicate)
                 if still_registered(duplicate):
                     dist.destroy_process_group(duplicate)
 
@@ -171,7 +171,6 @@ class UBatchGroupRegistry:
         with self._lock:
             duplicates = [group for groups in self._duplicates.values() for group in groups]
             self._duplicates.clear()
-            self._is_duplicate.clear()
             self._created_as_non_member.clear()
             return duplicates
 

@@ -71,9 +71,7 @@ def exchange_counts(
     (a bool scalar) as one more column: `(received [W, E_local + 1], work)`, row s from
     rank s, its flag last. Even splits: no host read."""
     flags = bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)
-    sent = torch.cat([counts_table, flags], dim=1)
-    received = torch.empty_like(sent)
-    return received, unchecked_all_to_all_single(received, sent, None, None, group, async_op)
+    return _send_rows(torch.cat([counts_table, flags], dim=1), None, None, group, async_op)
 
 
 def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
@@ -136,7 +134,7 @@ def exchange_rows(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exchange `rows` (`dispatch` and `combine`): `(received, order_token)`. Through
     `_ExchangeRows` when grad mode is on and `rows`, `anchor` or the run's latest token
-    requires grad (inside an overlap its token becomes the latest before it
+    requires grad (inside an overlap its token becomes the latest before its wait
     yields); else a plain all-to-all and no token."""
     if not torch.is_grad_enabled():
         return _send_rows(rows, output_splits, input_splits, group)[0], None
@@ -147,14 +145,13 @@ def exchange_rows(
         tokens = (*tokens, anchor)
     if not (rows.requires_grad or tokens):
         return _send_rows(rows, output_splits, input_splits, group)[0], None
-    if state is None:
-        return _ExchangeRows.apply(rows, output_splits, input_splits, group, None, *tokens)
     # Launch, publish the token, then yield and wait: the chain follows the launch order.
     pending: list[CollectiveWork] = []
     received, token = _ExchangeRows.apply(
         rows, output_splits, input_splits, group, pending, *tokens
     )
-    state[_ORDER_TOKEN_KEY] = token
+    if state is not None:
+        state[_ORDER_TOKEN_KEY] = token
     pending[0].wait()
     return received, token
 
@@ -178,8 +175,8 @@ class _ExchangeRows(torch.autograd.Function):
     """`all_to_all_single` of rows that autograd differentiates: the gradient takes the
     same exchange back, splits swapped, where autograd runs it (blocking, usually).
 
-    Inputs: `rows`, the splits, the group, `pending` (None: blocking; a list: launch only
-    and append the `CollectiveWork`), then any order tokens. Outputs: the received rows
+    Inputs: `rows`, the splits, the group, `pending` (a list: the forward only launches
+    and appends the `CollectiveWork`), then any order tokens. Outputs: the received rows
     and a new zero-element float32 token. A backward with `create_graph=True` raises on
     every rank before its exchange: a second order would lack the exchange's part.
     """
@@ -188,17 +185,14 @@ class _ExchangeRows(torch.autograd.Function):
     def forward(
         ctx: Any, rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
         group: dist.ProcessGroup,
-        pending: list[CollectiveWork] | None, *tokens: torch.Tensor,
+        pending: list[CollectiveWork], *tokens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         ctx.token_devices = tuple(token.device for token in tokens)
-        received, work = _send_rows(
-            rows, output_splits, input_splits, group, async_op=pending is not None
-        )
-        if pending is not None:
-            assert work is not None
-            pending.append(work)
+        received, work = _send_rows(rows, output_splits, input_splits, group, async_op=True)
+        assert work is not None, "an async launch returns its handle"
+        pending.append(work)
         return received, torch.empty(0, dtype=torch.float32, device=rows.device)
 
     @staticmethod

@@ -89,31 +89,30 @@ def dispatch(
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     # Bad ids are left out of the counts, and raise below, on every rank.
     valid, _, sort_order, counts = sort_by_expert(flat_ids, num_experts)
-    bad_ids = ~valid.all()
-    counts_per_expert = counts[:num_experts]
     send_rows = x.index_select(0, torch.div(sort_order, topk, rounding_mode="floor"))
 
-    # Rank r gets counts_per_expert[r * E_local:(r + 1) * E_local] and every rank's flag.
-    counts_table = counts_per_expert.view(world_size, num_local_experts)
-    received, _ = exchange_counts(counts_table, bad_ids, base)
+    # Rank r gets the counts of its experts, [r * E_local, (r + 1) * E_local), and every
+    # rank's flag.
+    counts_table = counts[:num_experts].view(world_size, num_local_experts)
+    received, _ = exchange_counts(counts_table, ~valid.all(), base)
     # The one host read, after the counts exchange (which yields inside an overlap, so
     # the other ubatch's work is queued before this thread waits): splits both ways.
     # Row s: the rows rank s sends to each local expert, its flag, the rows for rank s.
     rows = torch.cat([received, counts_table.sum(dim=1, keepdim=True)], dim=1).tolist()
     raise_if_bad_ids([row[-2] for row in rows], 0, num_experts)
-    send_splits = [row[-1] for row in rows]
+    send_splits = tuple(row[-1] for row in rows)
     recv_counts = [row[:-2] for row in rows]
-    recv_splits = [sum(counts) for counts in recv_counts]
+    recv_splits = tuple(map(sum, recv_counts))
 
-    recv_x, order_token = exchange_rows(send_rows, tuple(recv_splits), tuple(send_splits), base)
+    recv_x, order_token = exchange_rows(send_rows, recv_splits, send_splits, base)
     recv_local_expert_ids = torch.repeat_interleave(
         torch.arange(num_local_experts, device=x.device).repeat(world_size),
         received[:, :-1].reshape(-1), output_size=recv_x.shape[0],
     )
     handle = DispatchHandle(
-        base, num_tokens, topk, num_local_experts, sort_order, tuple(send_splits),
-        tuple(recv_splits), torch.tensor(recv_counts, dtype=torch.int64), order_token,
-        tuple(map(sum, zip(*recv_counts))) if recv_counts else (0,) * num_local_experts,
+        base, num_tokens, topk, num_local_experts, sort_order, send_splits, recv_splits,
+        torch.tensor(recv_counts, dtype=torch.int64), order_token,
+        tuple(map(sum, zip(*recv_counts))),  # one list per source rank: never empty
     )
     return recv_x, recv_local_expert_ids, handle
 

@@ -126,7 +126,12 @@ def _routed_forward(
 ) -> torch.Tensor:
     """A sharded experts module's forward: [T, H] tokens, [T, K] routing -> [T, H]."""
     routing = experts._routing
-    forward = type(experts).forward
+
+    def run_experts(rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """The model's own expert code on this rank's rows, each with one expert, weight 1."""
+        unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        return type(experts).forward(experts, rows, local_ids.unsqueeze(1), unit, *args, **kwargs)
+
     if routing.capacity is not None:
         blocks, _, fixed = dispatch_fixed(
             hidden_states, top_k_index, routing.num_experts, routing.capacity, routing.group,
@@ -134,12 +139,9 @@ def _routed_forward(
         )
         rows = blocks.reshape(-1, blocks.shape[-1])  # sorted by local expert, padding included
         ids = torch.arange(blocks.shape[0], device=rows.device).repeat_interleave(blocks.shape[1])
-        unit = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        out = forward(experts, rows, ids.unsqueeze(1), unit, *args, **kwargs)
-        return combine_fixed(out.view(*blocks.shape[:2], -1), fixed, top_k_weights)
+        out = run_experts(rows, ids).view(*blocks.shape[:2], -1)
+        return combine_fixed(out, fixed, top_k_weights)
     recv_x, recv_ids, handle = dispatch(
         hidden_states, top_k_index, routing.num_experts, routing.group
     )
-    unit = torch.ones(recv_x.shape[0], 1, dtype=top_k_weights.dtype, device=recv_x.device)
-    out = forward(experts, recv_x, recv_ids.unsqueeze(1), unit, *args, **kwargs)
-    return combine(out, handle, top_k_weights)
+    return combine(run_experts(recv_x, recv_ids), handle, top_k_weights)

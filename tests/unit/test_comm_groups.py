@@ -5,9 +5,11 @@ duplicates destroyed with their base group."""
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import comm
+import dbo
 
 
 def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
@@ -36,23 +38,22 @@ def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
 
 @pytest.mark.timeout(60)
 def test_a_subgroup_destroyed_alone_has_its_duplicates_destroyed_too(world_of_one: None) -> None:
-    from comm._checks import still_registered
     from comm.groups import destroy_ubatch_groups
 
     sub = dist.new_group([0])
     duplicates = comm.ubatch_groups(sub, 2)
     dist.destroy_process_group(sub)  # torch's own call, the subgroup only
     comm.ubatch_groups(None, 2)  # the registry notices the next time it creates groups
-    assert not any(still_registered(group) for group in duplicates)
+    for duplicate in duplicates:  # destroyed: torch no longer knows them
+        with pytest.raises(ValueError, match="not registered"):
+            comm.all_reduce(torch.ones(1), group=duplicate)
     destroy_ubatch_groups()  # and does not destroy them a second time (an error)
 
 
 @pytest.mark.timeout(60)
 def test_ubatch_groups_refuses_more_duplicates_than_ubatches_can_be(world_of_one: None) -> None:
-    from dbo._checks import MAX_NUM_UBATCHES
-
     with pytest.raises(ValueError, match="num_ubatches"):
-        comm.ubatch_groups(None, MAX_NUM_UBATCHES + 1)
+        comm.ubatch_groups(None, dbo.MAX_NUM_UBATCHES + 1)
 
 
 @pytest.mark.timeout(60)

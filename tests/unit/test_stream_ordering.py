@@ -536,7 +536,7 @@ def test_a_cuda_collective_an_aborted_ubatch_never_waited_is_joined_on_nccl_only
     stream joins ubatch 0's. gloo, whose wait would block the host: left to settle."""
     works: list[_Work] = []
     abandoned: list[Any] = []
-    monkeypatch.setattr(collectives._abandoned, "abandon", abandoned.append)
+    monkeypatch.setattr(collectives, "abandon", abandoned.append)
     x = _fake_cuda_tensor(0)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
@@ -559,7 +559,7 @@ def test_a_host_collective_an_aborted_ubatch_never_waited_is_left_to_settle(
 ) -> None:
     works: list[_Work] = []
     abandoned: list[Any] = []
-    monkeypatch.setattr(collectives._abandoned, "abandon", abandoned.append)
+    monkeypatch.setattr(collectives, "abandon", abandoned.append)
 
     def fn(t: torch.Tensor) -> torch.Tensor:
         if dbo.current_ubatch_id() == 1:
