@@ -19,13 +19,8 @@ from dbo.overlap import Overlapped
 from dbo.runtime.context import current_context
 from dbo.runtime.pool import runner_pool
 from dbo.runtime.runner import UBatchRunner
-from dbo.split.batch import (
-    UBatchInputs,
-    batch_size_of,
-    default_merge,
-    split_parts,
-    splittable_leaves,
-)
+from dbo.split.batch import UBatchInputs, batch_size_of, split_parts, splittable_leaves
+from dbo.split.outputs import default_merge
 from dbo.ubatch import IN_CAPTURE, run_state
 
 CAPTURE_ERROR_MODE = "global"
