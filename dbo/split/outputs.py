@@ -32,10 +32,7 @@ def default_merge(outputs: Sequence[Any]) -> Any:
     if len(outputs) == 0:
         raise ValueError("default_merge got no ubatch outputs to merge (an empty sequence)")
     first = outputs[0]
-    if type(first) is torch.Tensor and first.ndim >= 1 and all(
-        type(output) is torch.Tensor and output.ndim >= 1 and output is not first
-        for output in outputs[1:]
-    ):
+    if all(type(output) is torch.Tensor for output in outputs):
         return _merged_columns([outputs], first)[0]  # the usual case: no tree walk
     flattened = [flatten(output) for output in outputs]
     spec = flattened[0][1]

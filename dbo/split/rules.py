@@ -92,8 +92,7 @@ def defer_split_rule(module: str, class_name: str, register: Callable[[], None])
 
 def _register_known_libraries(obj: Any) -> None:
     for module_name, class_name, register in _deferred:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
+        cls = getattr(sys.modules.get(module_name), class_name, None)
         if isinstance(cls, type) and isinstance(obj, cls):
             register()
 
@@ -122,9 +121,8 @@ def hidden_batch_tensor(obj: Any, batch_size: int) -> str | None:
     rows in its attributes (`.layers[0].keys`), looked for a few levels deep; None if it
     does not, or if it is a tensor (split along dim 0), has a split rule, is a plain
     value, a module (weights are shared) or a callable."""
-    if isinstance(obj, (_PLAIN, torch.nn.Module, torch.Tensor)) or callable(obj):
-        return None
-    if rule_for(obj) is not None:
+    skipped = isinstance(obj, (_PLAIN, torch.nn.Module, torch.Tensor)) or callable(obj)
+    if skipped or rule_for(obj) is not None:
         return None
     pending: list[tuple[Any, str, int]] = [(obj, "", 0)]
     seen = {id(obj)}
