@@ -41,9 +41,7 @@ class CudaBackend:
         torch.cuda.set_stream(stream)
 
     def record_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+        return stream.record_event()  # a new event
 
     def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
@@ -71,8 +69,8 @@ class _OwnStreams:
 
     `torch.cuda.Stream()` hands out a per-device pool of 32 round-robin, the pool that
     ProcessGroupNCCL's internal streams and graph capture's come from too. These come
-    from the driver (`cuStreamCreate`, non-blocking, in torch's primary context) as
-    `ExternalStream`s: nothing else gets one. High-priority ones (the device's greatest
+    from the driver (`cuStreamCreateWithPriority`, non-blocking, in torch's primary
+    context) as `ExternalStream`s: nothing else gets one. High-priority ones (the device's greatest
     priority, for comm) and default-priority ones are kept apart. Never destroyed (the
     caching allocator records events on streams its live blocks were used on), only reused.
     """
