@@ -27,7 +27,8 @@ from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph
 from dbo.overlap import overlap
 from dbo.runtime.pool import close_default_runners
 from dbo.runtime.runner import RunnerState, UBatchRunner, wait_at_exit
-from dbo.split.batch import default_merge, default_split, merge_parts
+from dbo.split.batch import default_split
+from dbo.split.outputs import default_merge, merge_parts
 from dbo.split.rules import register_split_rule
 from dbo.split.tokens import TokenSplit, balanced_token_split
 from dbo.tracing import Trace, trace

@@ -18,14 +18,8 @@ from dbo.device.cuda import CudaBackend
 from dbo.overlap import Overlapped
 from dbo.runtime.context import current_context
 from dbo.runtime.pool import runner_pool
-from dbo.runtime.runner import UBatchRunner
-from dbo.split.batch import (
-    UBatchInputs,
-    batch_size_of,
-    default_merge,
-    split_parts,
-    splittable_leaves,
-)
+from dbo.split.batch import UBatchInputs, batch_size_of, split_parts, splittable_leaves
+from dbo.split.outputs import default_merge
 from dbo.ubatch import IN_CAPTURE, run_state
 
 CAPTURE_ERROR_MODE = "global"
@@ -127,9 +121,13 @@ def capture_graph(
     num_ubatches = _checked_arguments(fn, num_ubatches, warmup, pool)
     device = _cuda_device(static_inputs)
     parts = _split(static_inputs, num_ubatches)
-    capture = _Capture(device, pool)
+    capture, marked = _Capture(device, pool), _marked(fn)
     with runner_pool.lease(num_ubatches, None) as runner, capture.current_stream():
-        outputs = _warm_up_and_capture(capture, runner, _marked(fn), parts, warmup)
+        for _ in range(warmup):
+            default_merge(runner.run(marked, parts, device=device))
+        # A failure in the captured run ends the capture first, then undoes the hooks.
+        with _capture_hooks_run(), capture.capturing():
+            outputs = default_merge(runner.run(marked, parts, device=device))
     return OverlapGraph(capture.graph, static_inputs, outputs)
 
 
@@ -163,32 +161,6 @@ def _checked_arguments(fn: Any, num_ubatches: Any, warmup: Any, pool: Any) -> in
             "overlaps at every replay"
         )
     return check_num_ubatches(num_ubatches)
-
-
-def _warm_up_and_capture(
-    capture: _Capture, runner: UBatchRunner, fn: Callable[..., Any], parts: UBatchInputs,
-    warmup: int,
-) -> Any:
-    """The warmup runs, the capture hooks, then the captured run; its merged outputs."""
-
-    def step() -> Any:
-        return default_merge(runner.run(fn, parts, device=capture.device))
-
-    for _ in range(warmup):
-        step()
-    unlock = _run_capture_hooks()
-    try:
-        capture.begin()
-        try:
-            outputs = step()
-        except BaseException:
-            capture.abandon()
-            raise
-        capture.end()
-    except BaseException:
-        unlock()
-        raise
-    return outputs
 
 
 def _marked(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -254,25 +226,19 @@ def add_capture_hook(hook: Callable[[], Callable[[], None] | None]) -> Callable[
     return remove
 
 
-def _run_capture_hooks() -> Callable[[], None]:
-    """Run the capture hooks; what undoes them (in reverse order)."""
+@contextlib.contextmanager
+def _capture_hooks_run() -> Iterator[None]:
+    """Run the capture hooks, then the body; if either raises, undo the hooks that ran
+    (in reverse order) and re-raise."""
     with _capture_hooks_lock:
         hooks = list(_capture_hooks)
-    undo: list[Callable[[], None]] = []
-
-    def undo_all() -> None:
-        for step in reversed(undo):
-            step()
-
-    try:
+    with contextlib.ExitStack() as undo:
         for hook in hooks:
             done = hook()
             if done is not None:
-                undo.append(done)
-    except BaseException:
-        undo_all()
-        raise
-    return undo_all
+                undo.callback(done)
+        yield
+        undo.pop_all()  # the capture succeeded: the hooks' work stays
 
 
 class _Capture:
@@ -306,27 +272,26 @@ class _Capture:
             caller.wait_stream(stream)
             backend.release_stream(stream)
 
-    def begin(self) -> None:
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Capture the body's work into `graph`. If the capture cannot begin, the body
+        raises (the capture is ended: this thread began it) or the capture cannot end (an
+        invalidated capture: nothing to replay), the graph is dropped and the error
+        re-raised."""
         # As torch.cuda.graph does: the warmup's kernels are done and their blocks freed.
         torch.cuda.synchronize(self.device)
         try:
             self.graph.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
+            try:
+                yield
+            except BaseException:
+                with contextlib.suppress(Exception):  # an invalidated capture ends with an error
+                    self.graph.capture_end()
+                raise
+            self.graph.capture_end()
         except BaseException:
             self._drop()
             raise
-
-    def end(self) -> None:
-        try:
-            self.graph.capture_end()
-        except BaseException:  # an invalidated capture: nothing to replay
-            self._drop()
-            raise
-
-    def abandon(self) -> None:
-        """After a failed run: end the capture (this thread began it) and drop the graph."""
-        with contextlib.suppress(Exception):  # an invalidated capture ends with an error
-            self.graph.capture_end()
-        self._drop()
 
     def _drop(self) -> None:
         """Give up the graph: undo what torch's capture_end leaves undone when it fails

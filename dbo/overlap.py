@@ -21,7 +21,8 @@ from dbo.runtime import thread_settings
 from dbo.runtime.context import current_context
 from dbo.runtime.pool import runner_pool
 from dbo.runtime.runner import check_timeout
-from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, default_merge, split_parts
+from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, split_parts
+from dbo.split.outputs import default_merge
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -76,11 +76,10 @@ def backward_state() -> dict[str, Any] | None:
     ubatch's backward runs in its thread (`dbo.overlap` under grad mode), else the run's
     (`run_state()`: `overlap_backward=False`, a `UBatchRunner`).
     """
-    context = thread_state.context
-    if context is None or context.run is None:
+    run, ubatch_id = _run_and_id()
+    if run is None:
         return None
-    run = context.run
-    return run.state if run.backward_states is None else run.backward_states[context.ubatch_id]
+    return run.state if run.backward_states is None else run.backward_states[ubatch_id]
 
 
 def yield_() -> None:
@@ -132,10 +131,8 @@ def yield_and_switch_to_compute() -> None:
 def current_stream() -> Any:
     """The ubatch stream this ubatch is on, compute or comm (a `torch.cuda.Stream`, or a
     `CpuStream` on CPU), not a side stream it entered; None outside an overlap."""
-    context = thread_state.context
-    if context is None or context.run is None:
-        return None
-    return context.run.current_stream(context.ubatch_id)
+    run, ubatch_id = _run_and_id()
+    return None if run is None else run.current_stream(ubatch_id)
 
 
 def on_comm_stream() -> bool:

@@ -11,6 +11,7 @@ protocol bug, and the CPU backend raises on it).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -53,25 +54,18 @@ class DeviceBackend(Protocol):
         for the ubatch streams' later work before `stream` is done with them."""
 
 
+@dataclass(eq=False, slots=True)  # each stream its own queue: compared by identity
 class CpuStream:
     """A named placeholder: CPU ops run synchronously in the thread that issues them."""
 
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"CpuStream({self.name!r})"
+    name: str
 
 
+@dataclass(eq=False, slots=True)
 class CpuEvent:
     """A CPU event: complete once recorded (CPU work is synchronous); names its stream."""
 
-    __slots__ = ("stream",)
-
-    def __init__(self, stream: CpuStream) -> None:
-        self.stream = stream
+    stream: CpuStream
 
 
 class _CpuCurrentStream(threading.local):
@@ -117,9 +111,5 @@ class CpuBackend:
 
 def backend_for(device: torch.device | str | int | None) -> DeviceBackend:
     """The backend for `device` (None or a non-CUDA device: the CPU backend)."""
-    if device is None:
-        return CpuBackend()
-    device = torch.device(device)
-    if device.type == "cuda":
-        return CudaBackend(device)
-    return CpuBackend(device)
+    device = torch.device("cpu" if device is None else device)
+    return CudaBackend(device) if device.type == "cuda" else CpuBackend(device)

@@ -16,8 +16,7 @@ class CudaBackend:
     (`_OwnStreams`), never one of torch's pool."""
 
     def __init__(self, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"CudaBackend needs a cuda device, got {device}")
+        assert device.type == "cuda", f"CudaBackend is made for cuda devices only, got {device}"
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
 
@@ -42,9 +41,7 @@ class CudaBackend:
         torch.cuda.set_stream(stream)
 
     def record_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+        return stream.record_event()  # a new event
 
     def wait_event(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
@@ -72,8 +69,8 @@ class _OwnStreams:
 
     `torch.cuda.Stream()` hands out a per-device pool of 32 round-robin, the pool that
     ProcessGroupNCCL's internal streams and graph capture's come from too. These come
-    from the driver (`cuStreamCreate`, non-blocking, in torch's primary context) as
-    `ExternalStream`s: nothing else gets one. High-priority ones (the device's greatest
+    from the driver (`cuStreamCreateWithPriority`, non-blocking, in torch's primary
+    context) as `ExternalStream`s: nothing else gets one. High-priority ones (the device's greatest
     priority, for comm) and default-priority ones are kept apart. Never destroyed (the
     caching allocator records events on streams its live blocks were used on), only reused.
     """
@@ -120,22 +117,18 @@ def _create_cuda_stream(index: int, high_priority: bool = False) -> int:
             raise RuntimeError(f"{call} failed on cuda:{index}: {reason}")
 
     device, context, stream = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+    least, priority = ctypes.c_int(), ctypes.c_int(0)  # 0: the default priority
     check(driver.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
     # Retained for good, never released: on a device the runtime has not used yet this
     # retain creates the primary context, and a release would destroy it with the stream.
     check(driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuCtxRetain")
     check(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
     try:
-        if high_priority:
-            least, greatest = ctypes.c_int(), ctypes.c_int()
-            check(driver.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)),
+        if high_priority:  # the greatest priority, written into `priority`
+            check(driver.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(priority)),
                   "cuCtxGetStreamPriorityRange")
-            check(driver.cuStreamCreateWithPriority(
-                ctypes.byref(stream), _CU_STREAM_NON_BLOCKING, greatest
-            ), "cuStreamCreateWithPriority")
-        else:
-            check(driver.cuStreamCreate(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING),
-                  "cuStreamCreate")
+        check(driver.cuStreamCreateWithPriority(ctypes.byref(stream), _CU_STREAM_NON_BLOCKING,
+                                                priority), "cuStreamCreateWithPriority")
     finally:
         driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
     assert stream.value, "cuStreamCreate succeeded, so it wrote a handle"

@@ -1,24 +1,32 @@
-"""Objects that hold per-row state across calls (a KV cache): split rules for the types
-registered with `register_split_rule`, and the refusal of any other object that holds
-batch-sized tensors, which would otherwise reach every ubatch whole and be written by all.
+"""Which leaves a split or merge meets, and how each is handled: split rules for the types
+that hold per-row state across calls (a KV cache, `register_split_rule`), the tree walk
+that treats such objects and shapes as leaves, and the refusals: an object of a type
+without a rule that holds batch-sized tensors (it would reach every ubatch whole and be
+written by all), and a container torch's pytree does not know that holds tensors.
+
+Arguments and outputs are walked with `torch.utils._pytree`: its containers (tuple,
+list, dict, namedtuple, ...) and the types registered with it (transformers'
+`ModelOutput`; a dataclass after `register_dataclass`); anything else, `torch.Size`
+included, is a leaf.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 SplitRule = Callable[[Any, list[int]], Sequence[Any]]  # split(obj, rows_per_ubatch) -> parts
 MergeRule = Callable[[list[Any]], Any]  # merge([part_0, part_1, ...]) -> obj
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Rule:
     split: SplitRule
     merge: MergeRule
@@ -84,8 +92,7 @@ def defer_split_rule(module: str, class_name: str, register: Callable[[], None])
 
 def _register_known_libraries(obj: Any) -> None:
     for module_name, class_name, register in _deferred:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
+        cls = getattr(sys.modules.get(module_name), class_name, None)
         if isinstance(cls, type) and isinstance(obj, cls):
             register()
 
@@ -112,8 +119,10 @@ _SCAN_BUDGET = 512  # nodes looked at per object, so a large object costs a boun
 def hidden_batch_tensor(obj: Any, batch_size: int) -> str | None:
     """Where an object of a type without a split rule holds a tensor with `batch_size`
     rows in its attributes (`.layers[0].keys`), looked for a few levels deep; None if it
-    does not, or if it is a plain value, a module (weights are shared) or a callable."""
-    if isinstance(obj, (_PLAIN, torch.nn.Module)) or callable(obj):
+    does not, or if it is a tensor (split along dim 0), has a split rule, is a plain
+    value, a module (weights are shared) or a callable."""
+    skipped = isinstance(obj, (_PLAIN, torch.nn.Module, torch.Tensor)) or callable(obj)
+    if skipped or rule_for(obj) is not None:
         return None
     pending: list[tuple[Any, str, int]] = [(obj, "", 0)]
     seen = {id(obj)}
@@ -151,4 +160,53 @@ def refusal(path: str, obj: Any, where: str, batch_size: int) -> str:
         "every ubatch whole, where each ubatch would write its rows into the same object; "
         f"register a rule with dbo.register_split_rule({name}, split=..., merge=...), "
         "pass it whole on purpose with no_split=, or pass split="
+    )
+
+
+def is_leaf(node: Any) -> bool:
+    """A leaf of dbo's tree walk: a shape (one value, not a container of ints) or an
+    object with a split rule (split by its rule even if its type is a pytree node too)."""
+    return isinstance(node, torch.Size) or rule_for(node) is not None
+
+
+def flatten(tree: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """`tree`'s leaves and spec; shapes and objects with a split rule are leaves."""
+    return pytree.tree_flatten(tree, is_leaf=is_leaf)
+
+
+def leaf_paths(tree: Any, root: str) -> list[str]:
+    """The readable path of each leaf of `flatten(tree)` (`args[0]`, `kwargs['mask']`,
+    `output.logits`), `root` first."""
+    pairs = pytree.tree_leaves_with_path(tree, is_leaf=is_leaf)
+    return [root + pytree.keystr(path) for path, _ in pairs]
+
+
+def splittable(leaf: Any) -> bool:
+    """A tensor with a dim 0: split along it, and concatenated along it on merge."""
+    return isinstance(leaf, torch.Tensor) and leaf.ndim >= 1
+
+
+def holds_unregistered_tensors(leaf: Any) -> bool:
+    """A leaf that holds batch tensors: a dataclass, mapping, list or tuple whose type
+    torch's pytree does not know."""
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        inner: Any = [getattr(leaf, field.name, None) for field in dataclasses.fields(leaf)]
+    elif isinstance(leaf, Mapping):
+        inner = list(leaf.values())
+    elif isinstance(leaf, (list, tuple)) and not isinstance(leaf, torch.Size):
+        inner = list(leaf)
+    else:
+        return False
+    return any(splittable(x) for x in pytree.tree_leaves(inner, is_leaf=is_leaf))
+
+
+def unregistered_refusal(leaf: Any, verb: str) -> str:
+    """Why a `holds_unregistered_tensors` leaf cannot be split (`verb` "split") or merged
+    ("merge"), and the fix: register its type with torch's pytree, or pass `verb`=."""
+    name = type(leaf).__name__
+    how = "register_dataclass" if dataclasses.is_dataclass(leaf) else "register_pytree_node"
+    effect = "every ubatch would get it whole" if verb == "split" else "it cannot be joined"
+    return (
+        f"it is a {name} holding tensors, a type torch.utils._pytree does not know, so "
+        f"{effect}; register it with torch.utils._pytree.{how}({name}), or pass {verb}="
     )

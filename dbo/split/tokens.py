@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import operator
 from collections.abc import Sequence
@@ -73,10 +74,8 @@ def _token_count(count: Any) -> int:
         isinstance(count, torch.Tensor) and count.dtype == torch.bool
     )
     if not is_bool:  # operator.index takes a bool (and a bool tensor) as 0 or 1
-        try:
+        with contextlib.suppress(TypeError):
             return operator.index(count)
-        except TypeError:
-            pass
     raise TypeError(
         f"num_tokens_per_request must hold integer counts, got {count!r} of type "
         f"{type(count).__name__}"

@@ -160,8 +160,9 @@ def test_a_failed_capture_leaves_no_stream_capturing_and_the_runner_usable(failu
 
 
 def test_the_capture_stream_is_one_of_dbos_own_streams_and_goes_back_after() -> None:
-    """Not one of torch's pool, which NCCL's internal streams come from."""
-    from dbo.device.cuda import _own_streams
+    """Not one of torch's pool, which NCCL's internal streams come from: the next stream
+    dbo hands out (its streams given back are handed out again, the last first) is it."""
+    from dbo.device.cuda import CudaBackend
     from dbo.runtime.context import current_context
 
     if torch.version.hip:
@@ -177,10 +178,13 @@ def test_the_capture_stream_is_one_of_dbos_own_streams_and_goes_back_after() -> 
 
     with torch.no_grad():
         dbo.capture_graph(forward, torch.randn(8, HIDDEN, device="cuda"))
-    assert len(seen) == 1 and seen <= set(_own_streams._made)
-    device = torch.device("cuda", torch.cuda.current_device())
-    free = _own_streams._free[(device, False)]  # default priority: not a comm stream
-    assert seen <= {int(stream.cuda_stream) for stream in free}
+    assert len(seen) == 1
+    backend = CudaBackend(torch.device("cuda", torch.cuda.current_device()))
+    stream = backend.new_stream("capture")  # default priority: not a comm stream
+    try:
+        assert int(stream.cuda_stream) in seen
+    finally:
+        backend.release_stream(stream)
 
 
 @pytest.mark.timeout(150)  # a cold start with CUDA and 3 NCCL communicators

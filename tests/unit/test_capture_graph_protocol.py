@@ -37,14 +37,15 @@ class FakeCapture:
         finally:
             self.log.append("stream done")
 
-    def begin(self) -> None:
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
         self.log.append("begin")
-
-    def end(self) -> None:
+        try:
+            yield
+        except BaseException:
+            self.log.append("abandon")
+            raise
         self.log.append("end")
-
-    def abandon(self) -> None:
-        self.log.append("abandon")
 
     def replay(self) -> None:
         self.log.append("replay")
@@ -345,9 +346,8 @@ def test_a_failed_capture_keeps_its_graph_alive_and_its_pool_is_refused_after(
     monkeypatch.setattr(dbo.graphs._Capture, "failed_pools", set())
     pool = (7, 7)
     capture = dbo.graphs._Capture(torch.device("cuda", 0), pool)
-    capture.begin()
-    with pytest.raises(RuntimeError, match="not permitted"):
-        capture.end()
+    with pytest.raises(RuntimeError, match="not permitted"), capture.capturing():
+        pass
     assert capture.graph.calls == ["begin", "end"]  # not reset: kept, with its state
     assert dbo.graphs._Capture.failed_graphs == [capture.graph] and released == [pool]
     with pytest.raises(RuntimeError, match=r"pool=\(7, 7\) was used by a capture that failed"):

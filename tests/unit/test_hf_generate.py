@@ -370,11 +370,7 @@ class _EagerCapture:
 
         return contextlib.nullcontext()
 
-    def begin(self) -> None: ...
-
-    def end(self) -> None: ...
-
-    def abandon(self) -> None: ...
+    capturing = current_stream
 
 
 def test_a_static_cache_in_capture_graph_advances_once_per_run_warmups_included(
