@@ -13,14 +13,13 @@ from typing import Any, TypeVar, overload
 import torch
 
 from dbo import tracing
-from dbo._checks import check_num_ubatches
+from dbo._checks import check_num_ubatches, check_timeout
 from dbo._decide import decided_parts
 from dbo._torch_private import private
 from dbo.backward import attach, own_leaves
 from dbo.runtime import thread_settings
 from dbo.runtime.context import current_context
 from dbo.runtime.pool import runner_pool
-from dbo.runtime.runner import check_timeout
 from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, default_merge, split_parts
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import enum
-import logging
-import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -20,76 +16,19 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from dbo._checks import check_num_ubatches, lock_timeout
+from dbo._checks import check_num_ubatches, check_timeout, lock_timeout
 from dbo.device.backends import DeviceBackend, backend_for
 from dbo.device.streams import StreamLease, held_streams
 from dbo.errors import OverlapTimeoutError, attach_ubatch_id
 from dbo.runtime import affinity, thread_settings
 from dbo.runtime.context import current_context
+from dbo.runtime.exit import wait_at_exit
 from dbo.runtime.run import OverlapRun, UBatchStreams
 from dbo.runtime.worker import UBatchJob, Worker, stop_workers
 from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, flat_arguments
 
 _ABORT_GRACE_S = 0.5
 """How long an aborted run's ubatches get to unwind before the runner is left broken."""
-
-EXIT_WAIT_S = 2.0
-"""At exit, how long to wait in all for what aborted runs left running (`wait_at_exit`)."""
-
-_left_running: list[Callable[[float], object]] = []  # `wait_at_exit`'s, still running
-_left_running_lock = threading.Lock()
-
-
-def wait_at_exit(still_running: Callable[[float], object]) -> None:
-    """Have the exit (atexit: after the non-daemon threads are joined, before finalization
-    kills the daemon ones in a torch op: SIGABRT) wait for `still_running(s)`, which waits
-    up to s seconds and is truthy while it runs. Past `EXIT_WAIT_S` in all, the process
-    says so and ends unfinalized: by SIGINT after an uncaught KeyboardInterrupt, else 1."""
-    with _left_running_lock:
-        kept = [it for it in _left_running if it is not still_running and it(0)]
-        _left_running[:] = [*kept, still_running]
-    atexit.unregister(_wait_at_exit)  # once, and before the handlers registered earlier
-    atexit.register(_wait_at_exit)
-
-
-def _wait_at_exit() -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
-    last = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)  # not a prompt's
-    interrupted = isinstance(last, KeyboardInterrupt)
-    try:
-        if not any(it(max(0.0, deadline - time.monotonic())) for it in list(_left_running)):
-            return
-    except KeyboardInterrupt:  # Ctrl-C again: stop waiting
-        interrupted = True
-    try:
-        sys.stdout.flush()
-        logging.shutdown()  # the atexit handlers registered before this one do not run
-        print(f"dbo: a ubatch or collective of an aborted run still runs {EXIT_WAIT_S} s into "
-              "the exit; the process ends now, without finalization", file=sys.stderr, flush=True)
-    finally:
-        if interrupted:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(130 if interrupted else 1)
-
-
-def reset_after_fork() -> None:
-    """In a forked child: the parent's ubatch threads are not there to wait for."""
-    global _left_running_lock
-    _left_running_lock = threading.Lock()
-    _left_running.clear()
-    held_streams.reset_after_fork()
-
-
-def check_timeout(timeout_s: Any) -> float | None:
-    """Validate a watchdog timeout: None or seconds > 0 (infinity means None)."""
-    if timeout_s is None:
-        return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    return None if math.isinf(timeout_s) else float(timeout_s)
 
 
 class RunnerState(enum.Enum):
