@@ -8,6 +8,7 @@ import pytest
 import torch.distributed as dist
 
 import comm
+import dbo
 
 
 def test_nccl_duplicates_connect_when_created_not_inside_an_overlap(
@@ -49,10 +50,8 @@ def test_a_subgroup_destroyed_alone_has_its_duplicates_destroyed_too(world_of_on
 
 @pytest.mark.timeout(60)
 def test_ubatch_groups_refuses_more_duplicates_than_ubatches_can_be(world_of_one: None) -> None:
-    from dbo._checks import MAX_NUM_UBATCHES
-
     with pytest.raises(ValueError, match="num_ubatches"):
-        comm.ubatch_groups(None, MAX_NUM_UBATCHES + 1)
+        comm.ubatch_groups(None, dbo.MAX_NUM_UBATCHES + 1)
 
 
 @pytest.mark.timeout(60)
