@@ -140,12 +140,16 @@ class OverlapRun:
         (an event recorded now on each of their streams). For work that touches what other
         ubatches wrote: the KV-cache rule brings the caller's cache up to date in the last
         ubatch's exit callback, and grows buffers that hold every ubatch's rows."""
+        self.order_after_every_ubatch(self.backend.current_stream())
+
+    def order_after_every_ubatch(self, stream: Any) -> None:
+        """Order `stream` after all that every ubatch has queued so far on its other
+        streams (an event recorded now on each)."""
         backend = self.backend
-        current = backend.current_stream()
         for streams in self.streams:
-            for stream in (streams.compute, streams.comm):
-                if stream is not current:
-                    backend.wait_event(current, backend.record_event(stream))
+            for ubatch_stream in (streams.compute, streams.comm):
+                if ubatch_stream is not stream:
+                    backend.wait_event(stream, backend.record_event(ubatch_stream))
 
     def add_exit_callback(
         self, ubatch_id: int, callback: Callable[[], Any],

@@ -122,9 +122,7 @@ class UBatchRunner:
         run = self._run
         if self._state is not RunnerState.BROKEN or run is None:
             return
-        for ubatch_id, job in enumerate(self._jobs):
-            if job.revoked:  # counted again: an interrupt may have come between the two
-                run.baton.finish(ubatch_id)
+        _finish_revoked(run, self._jobs)
         if run.baton.wait_done(0):
             self._set_state(RunnerState.IDLE)
 
@@ -301,9 +299,7 @@ class UBatchRunner:
         with self._mutex:
             if self._state is RunnerState.RUNNING and self._run is run:
                 # An interrupt before the baton started leaves jobs that must never run.
-                for ubatch_id, job in enumerate(jobs):
-                    if job.revoke():
-                        run.baton.finish(ubatch_id)
+                _finish_revoked(run, jobs)
                 ended = run.baton.wait_done(0)
                 self._set_state(RunnerState.IDLE if ended else RunnerState.BROKEN)
             closed = self._state is RunnerState.CLOSED
@@ -321,9 +317,7 @@ class UBatchRunner:
             else f"the caller was interrupted ({type(error).__name__})"
         )
         run.baton.abort(reason)
-        for ubatch_id, job in enumerate(jobs):
-            if job.revoke():
-                run.baton.finish(ubatch_id)
+        _finish_revoked(run, jobs)
         run.baton.abort(reason, wake_all=True)
         if run.baton.wait_done(_ABORT_GRACE_S):
             run.drop_leftovers()
@@ -333,9 +327,7 @@ class UBatchRunner:
         wait_at_exit(lambda s: not baton.wait_done(s))
         # Best effort: the caller's stream waits for what the ubatches enqueued so far,
         # so that it does not reuse the inputs under their kernels.
-        for ubatch_streams in run.streams:
-            for stream in (ubatch_streams.compute, ubatch_streams.comm):
-                run.backend.wait_event(run.caller_stream, run.backend.record_event(stream))
+        run.order_after_every_ubatch(run.caller_stream)
 
     def _collect(
         self, run: OverlapRun, results: list[Any], errors: list[BaseException | None]
@@ -402,6 +394,15 @@ class UBatchRunner:
         if frame is None:
             return "  (the thread has no Python frame)"
         return "".join(traceback.format_stack(frame))
+
+
+def _finish_revoked(run: OverlapRun, jobs: list[UBatchJob]) -> None:
+    """Revoke the jobs that have not started (they never will) and count every revoked
+    one as finished; again for one revoked before (an interrupt may have come between
+    its revoke and its count: `finish` is idempotent)."""
+    for ubatch_id, job in enumerate(jobs):
+        if job.revoke() or job.revoked:
+            run.baton.finish(ubatch_id)
 
 
 def _input_leaves(inputs: UBatchInputs) -> list[Any]:
