@@ -27,7 +27,7 @@ def decided_parts(
     cannot be sized, whose `overlap_if` raises or whose split raises (a custom `split=`, a
     split rule) votes before it raises, and every other rank then raises too instead of
     waiting."""
-    size, parts = 0, None
+    parts = None
     try:
         leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
         if custom_split:
@@ -48,16 +48,14 @@ def decided_parts(
         raise
     if group is None:
         return leaves, parts
-    smallest_across_ranks = smallest_batch_across_ranks(
-        0 if parts is None else size, group, leaves
-    )
-    if smallest_across_ranks == FAILED_RANK:
+    group_smallest = smallest_batch_across_ranks(0 if parts is None else size, group, leaves)
+    if group_smallest == FAILED_RANK:
         raise RuntimeError(
             "dbo.overlap: another rank of decision_group could not size or split its "
             "input (its own error says why), so no rank runs the function: they would "
             "wait for that rank's collectives"
         )
-    return leaves, parts if smallest_across_ranks >= smallest else None
+    return leaves, parts if group_smallest >= smallest else None
 
 
 FAILED_RANK = -1  # the vote of a rank that cannot size or split its input: the MIN tells all

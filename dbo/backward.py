@@ -117,23 +117,23 @@ class _UBatchPlan:
     edge_at: list[int] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class _Plan:
     """What the node needs for its backward: a `_UBatchPlan` per ubatch, the leaves and
     edges they differentiate by, and `region_at`: the leaves (indices into `leaves`) only
     the shared part reaches."""
 
-    def __init__(self, run_ubatches: RunUBatches, ubatches: list[_UBatchPlan]) -> None:
-        self.run_ubatches = run_ubatches
-        self.ubatches = ubatches
-        self.leaves: list[torch.Tensor] = []
-        self._index_of: dict[int, int] = {}
-        """`id(leaf)` -> its index in `leaves`."""
-        self.edges: list[GradientEdge] = []
-        self.region_at: list[int] = []
-        self.keep_ubatch_graphs = False
-        """Whether every ubatch's backward keeps the graph: when a leaf is reached both
-        through a shared part and apart from it, each ubatch's backward runs the shared
-        part itself, and the next one runs it again."""
+    run_ubatches: RunUBatches
+    ubatches: list[_UBatchPlan]
+    leaves: list[torch.Tensor] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
+    region_at: list[int] = field(default_factory=list)
+    keep_ubatch_graphs: bool = False
+    """Whether every ubatch's backward keeps the graph: when a leaf is reached both
+    through a shared part and apart from it, each ubatch's backward runs the shared part
+    itself, and the next one runs it again."""
+    _index_of: dict[int, int] = field(default_factory=dict)
+    """`id(leaf)` -> its index in `leaves`."""
 
     def add_leaves(self, leaves: list[torch.Tensor]) -> list[int]:
         """The indices of `leaves` in `self.leaves`, added where new."""
