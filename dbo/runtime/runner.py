@@ -256,8 +256,7 @@ class UBatchRunner:
     def _new_run(self, inputs: UBatchInputs, device: torch.device | None) -> OverlapRun:
         """A run on this runner's streams for the device (see `run`), forked from the
         caller's current stream."""
-        if self.device is not None:
-            device = self.device
+        device = self.device or device  # the runner's own, else the one for this run
         if device is None or device.type == "cuda":
             device = _streams_device(_input_leaves(inputs), device)
         if device not in self._streams:
