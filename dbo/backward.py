@@ -58,17 +58,15 @@ def own_leaves(
     replaced: list[list[torch.Tensor]] = []
     for part in parts:
         leaves, spec = flatten(part)
-        own: dict[int, torch.Tensor] = {}
-        originals: list[torch.Tensor] = []
+        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its leaf)
         for index, leaf in enumerate(leaves):
             if _requires_grad(leaf):
                 if id(leaf) not in own:
-                    own[id(leaf)] = leaf.detach().requires_grad_()
-                    originals.append(leaf)
-                leaves[index] = own[id(leaf)]
+                    own[id(leaf)] = (leaf, leaf.detach().requires_grad_())
+                leaves[index] = own[id(leaf)][1]
         mine_parts.append(pytree.tree_unflatten(leaves, spec) if own else part)
-        mine.append(list(own.values()))
-        replaced.append(originals)
+        mine.append([leaf for _, leaf in own.values()])
+        replaced.append([tensor for tensor, _ in own.values()])
     return mine_parts, mine, replaced
 
 

@@ -143,8 +143,8 @@ class OverlapRun:
         self.order_after_every_ubatch(self.backend.current_stream())
 
     def order_after_every_ubatch(self, stream: Any) -> None:
-        """Order `stream` after all that every ubatch has queued so far on its other
-        streams (an event recorded now on each)."""
+        """Order `stream` after all that every ubatch has queued so far (an event recorded
+        now on each ubatch stream other than `stream`)."""
         backend = self.backend
         for streams in self.streams:
             for ubatch_stream in (streams.compute, streams.comm):
