@@ -51,12 +51,17 @@ class TorchBindingError(RuntimeError):
     """A private torch binding dbo uses is missing, or behaves otherwise, in this torch."""
 
 
-def _missing(name: str, why: str) -> TorchBindingError:
-    module, attribute = BINDINGS[name]
+def _missing(name: str | None, why: str) -> TorchBindingError:
+    """The error for binding `name`; None: the check raised or hung, naming none."""
+    if name is None:
+        which = "bindings (dbo._torch_private.BINDINGS), one of which"
+    else:
+        module, attribute = BINDINGS[name]
+        which = f"{module}.{attribute} ({name}), which"
     return TorchBindingError(
-        f"dbo uses torch's private {module}.{attribute} ({name}), which {why} in torch "
-        f"{torch.__version__}; install a torch release dbo supports (the README's "
-        "supported versions, pyproject.toml's torch range)"
+        f"dbo uses torch's private {which} {why} in torch {torch.__version__}; install a "
+        "torch release dbo supports (the README's supported versions, pyproject.toml's "
+        "torch range)"
     )
 
 
@@ -203,10 +208,11 @@ def _load(into: _Private) -> None:
         thread = threading.Thread(target=run, name="dbo-torch-binding-check", daemon=True)
         thread.start()
         thread.join(timeout=60)
-        failed = [name for name, ok in found if not ok] or ["every binding"]
-        if errors or thread.is_alive() or not all(ok for _, ok in found) or not found:
+        failed = [name for name, ok in found if not ok]
+        if errors or thread.is_alive() or failed or not found:
             detail = f" ({errors[0]!r})" if errors else ""
-            raise _missing(failed[0], f"behaves otherwise than dbo expects{detail}")
+            raise _missing(failed[0] if failed else None,
+                           f"behaves otherwise than dbo expects{detail}")
         into.__dict__.update(probe.__dict__)
 
 
