@@ -25,8 +25,9 @@ from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
 from dbo.errors import OverlapTimeoutError, UBatchAbortedError
 from dbo.graphs import OverlapGraph, add_capture_hook, capture_graph
 from dbo.overlap import overlap
+from dbo.runtime.exit import wait_at_exit
 from dbo.runtime.pool import close_default_runners
-from dbo.runtime.runner import RunnerState, UBatchRunner, wait_at_exit
+from dbo.runtime.runner import RunnerState, UBatchRunner
 from dbo.split.batch import default_split
 from dbo.split.outputs import default_merge, merge_parts
 from dbo.split.rules import register_split_rule

@@ -1,7 +1,9 @@
-"""Argument checks shared by the runner, the splitter and the workspace, and lock timeouts."""
+"""Argument checks shared by the entries (the runner, `dbo.overlap`, the splitter, the
+workspace), and lock timeouts."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -20,6 +22,17 @@ def check_num_ubatches(num_ubatches: Any) -> int:
             f"num_ubatches must be in [1, {MAX_NUM_UBATCHES}], got {num_ubatches}"
         )
     return num_ubatches
+
+
+def check_timeout(timeout_s: Any) -> float | None:
+    """Validate a watchdog timeout: None or seconds > 0 (infinity means None)."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    return None if math.isinf(timeout_s) else float(timeout_s)
 
 
 def lock_timeout(timeout_s: float | None) -> float:

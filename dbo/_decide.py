@@ -13,26 +13,30 @@ from dbo.split.batch import UBatchInputs, batch_size_of, check_objects, splittab
 
 
 def decided_parts(
-    args: tuple[Any, ...], kwargs: dict[str, Any], custom_split: bool, group: Any,
-    must_inline: bool, smallest: int, overlap_if: Callable[[], bool] | None,
-    make_parts: Callable[[list[tuple[str, torch.Tensor]]], UBatchInputs],
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, smallest: int, custom_split: bool,
+    must_inline: bool, overlap_if: Callable[[], bool] | None,
+    make_parts: Callable[[list[tuple[str, torch.Tensor]]], UBatchInputs], group: Any,
 ) -> tuple[list[tuple[str, torch.Tensor]], UBatchInputs | None]:
-    """The (path, tensor) leaves to split and the ubatches' parts, None to run inline:
-    this rank's decision (a batch of at least `smallest`, no mode, `overlap_if()`; then
-    `make_parts`), or with `group` every rank's together (a MIN all-reduce of the batch
-    sizes, 0 from a rank that runs inline). A rank whose input cannot be sized, whose
-    `overlap_if` raises or whose split raises (a custom `split=`, a split rule) votes
-    before it raises, and every other rank then raises too instead of waiting."""
+    """The (path, tensor) leaves of `args` and `kwargs` to split, and the ubatches' parts
+    (None: run inline).
+
+    This rank's decision: a batch of at least `smallest` (with `custom_split`, the largest
+    dim 0: the tokens of ragged inputs), not `must_inline` (a mode or transform is on),
+    then `overlap_if()`; then `make_parts(leaves)`. With `group`, every rank's together: a
+    MIN all-reduce of the batch sizes, 0 from a rank that runs inline. A rank whose input
+    cannot be sized, whose `overlap_if` raises or whose split raises (a custom `split=`, a
+    split rule) votes before it raises, and every other rank then raises too instead of
+    waiting."""
     parts = None
     try:
         leaves = splittable_leaves(args, kwargs, check_leaves=not custom_split)
-        if custom_split:  # the largest dim 0: the tokens, in ragged inputs
-            size = max((int(leaf.size(0)) for _, leaf in leaves), default=None)
+        if custom_split:
+            size = max((int(leaf.size(0)) for _, leaf in leaves), default=0)
         else:
-            size = batch_size_of(leaves)
-        wanted = size is not None and size >= smallest and not must_inline
+            size = batch_size_of(leaves) or 0
+        wanted = size >= smallest and not must_inline
         if wanted and not custom_split:
-            check_objects(args, kwargs, size)  # type: ignore[arg-type]
+            check_objects(args, kwargs, size)
         if wanted and overlap_if is not None:
             wanted = bool(overlap_if())
         if wanted:
@@ -42,16 +46,16 @@ def decided_parts(
             with contextlib.suppress(Exception):  # this rank's own error says more
                 smallest_batch_across_ranks(FAILED_RANK, group)
         raise
-    if group is not None:
-        size = smallest_batch_across_ranks(size if wanted and size else 0, group, leaves)
-        if size == FAILED_RANK:
-            raise RuntimeError(
-                "dbo.overlap: another rank of decision_group could not size or split its "
-                "input (its own error says why), so no rank runs the function: they would "
-                "wait for that rank's collectives"
-            )
-        wanted = size >= smallest
-    return leaves, parts if wanted else None
+    if group is None:
+        return leaves, parts
+    group_smallest = smallest_batch_across_ranks(0 if parts is None else size, group, leaves)
+    if group_smallest == FAILED_RANK:
+        raise RuntimeError(
+            "dbo.overlap: another rank of decision_group could not size or split its "
+            "input (its own error says why), so no rank runs the function: they would "
+            "wait for that rank's collectives"
+        )
+    return leaves, parts if group_smallest >= smallest else None
 
 
 FAILED_RANK = -1  # the vote of a rank that cannot size or split its input: the MIN tells all

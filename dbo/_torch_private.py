@@ -51,12 +51,17 @@ class TorchBindingError(RuntimeError):
     """A private torch binding dbo uses is missing, or behaves otherwise, in this torch."""
 
 
-def _missing(name: str, why: str) -> TorchBindingError:
-    module, attribute = BINDINGS[name]
+def _missing(name: str | None, why: str) -> TorchBindingError:
+    """The error for binding `name`; None: the check raised or hung, naming none."""
+    if name is None:
+        which = "bindings (dbo._torch_private.BINDINGS), one of which"
+    else:
+        module, attribute = BINDINGS[name]
+        which = f"{module}.{attribute} ({name}), which"
     return TorchBindingError(
-        f"dbo uses torch's private {module}.{attribute} ({name}), which {why} in torch "
-        f"{torch.__version__}; install a torch release dbo supports (the README's "
-        "supported versions, pyproject.toml's torch range)"
+        f"dbo uses torch's private {which} {why} in torch {torch.__version__}; install a "
+        "torch release dbo supports (the README's supported versions, pyproject.toml's "
+        "torch range)"
     )
 
 
@@ -73,21 +78,30 @@ def _resolve(name: str, module: str, attribute: str) -> Any:
 def _behaviour(p: Any) -> list[tuple[str, bool]]:
     """(binding, whether it answered as dbo expects) for each, in a fresh thread: torch's
     defaults, then a hook, a mode, a transform and a backward of its own."""
+    return [*_at_defaults(p), *_with_saved_tensors_hooks(p), *_with_modes(p),
+            *_with_torch_function_and_transform(p), *_with_backward_and_profiler(p)]
+
+
+def _at_defaults(p: Any) -> list[tuple[str, bool]]:
+    """A fresh thread has no hook, mode, transform or disabled hooks."""
+    return [("top_saved_tensors_hooks", p.top_saved_tensors_hooks(True) is None),
+            ("function_mode_depth", p.function_mode_depth() == 0),
+            ("dispatch_mode_depth", p.dispatch_mode_depth() == 0),
+            ("transform_on_stack", p.transform_on_stack() is None),
+            ("saved_tensors_hooks_disabled_message",
+             p.saved_tensors_hooks_disabled_message() is None)]
+
+
+def _with_saved_tensors_hooks(p: Any) -> list[tuple[str, bool]]:
+    """A hook pushed is the one read back and the pop takes it; hooks disabled give their
+    message until enabled again."""
     from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    found = [("top_saved_tensors_hooks", p.top_saved_tensors_hooks(True) is None),
-             ("function_mode_depth", p.function_mode_depth() == 0),
-             ("dispatch_mode_depth", p.dispatch_mode_depth() == 0),
-             ("transform_on_stack", p.transform_on_stack() is None),
-             ("saved_tensors_hooks_disabled_message",
-              p.saved_tensors_hooks_disabled_message() is None)]
     saved_tensors_hooks(pack, pack).__enter__()  # left for the pop to take
-    found.append(("top_saved_tensors_hooks", p.top_saved_tensors_hooks(True)[0] is pack))
+    found = [("top_saved_tensors_hooks", p.top_saved_tensors_hooks(True)[0] is pack)]
     p.pop_saved_tensors_hooks()
     found.append(("pop_saved_tensors_hooks", p.top_saved_tensors_hooks(True) is None))
     disabled = disable_saved_tensors_hooks("off")  # held: a generator's end would undo it
@@ -96,10 +110,19 @@ def _behaviour(p: Any) -> list[tuple[str, bool]]:
                   p.saved_tensors_hooks_disabled_message() == "off"))
     p.enable_saved_tensors_hooks()
     found.append(("enable_saved_tensors_hooks", p.saved_tensors_hooks_disabled_message() is None))
+    return found
+
+
+def _with_modes(p: Any) -> list[tuple[str, bool]]:
+    """The default device's mode is read back; a torch-function mode and a dispatch mode
+    entered are counted, popped, and (the dispatch mode) disabled."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     torch.set_default_device("meta")
-    found += [("default_device_context",
-               getattr(p.default_device_context, "device_context", None) is not None),
-              ("function_modes", isinstance(p.function_modes()[-1], p.DeviceContext))]
+    found = [("default_device_context",
+              getattr(p.default_device_context, "device_context", None) is not None),
+             ("function_modes", isinstance(p.function_modes()[-1], p.DeviceContext))]
     torch.set_default_device(None)
     TorchFunctionMode().__enter__()
     found.append(("function_mode_depth", p.function_mode_depth() == 1))
@@ -111,6 +134,12 @@ def _behaviour(p: Any) -> list[tuple[str, bool]]:
     found.append(("dispatch_mode_depth", p.dispatch_mode_depth() == 1))
     p.pop_dispatch_mode(None)
     found.append(("pop_dispatch_mode", p.dispatch_mode_depth() == 0))
+    return found
+
+
+def _with_torch_function_and_transform(p: Any) -> list[tuple[str, bool]]:
+    """A subclass's `__torch_function__` is skipped under `DisableTorchFunction`; a
+    `torch.func` transform is on the stack inside it."""
     calls: list[Any] = []
 
     class Seen(torch.Tensor):
@@ -123,25 +152,28 @@ def _behaviour(p: Any) -> list[tuple[str, bool]]:
     seen_tensor = torch.ones(1).as_subclass(Seen)
     with p.DisableTorchFunction():
         seen_tensor + 1
-    found.append(("DisableTorchFunction", not calls))
-    seen: list[Any] = []
+    transforms: list[Any] = []
 
     def loss(x: torch.Tensor) -> torch.Tensor:
-        seen.append(p.transform_on_stack())
+        transforms.append(p.transform_on_stack())
         return x.sum()
 
     torch.func.grad(loss)(torch.ones(1))
-    found.append(("transform_on_stack", seen[0] is not None))
+    return [("DisableTorchFunction", not calls), ("transform_on_stack", transforms[0] is not None)]
+
+
+def _with_backward_and_profiler(p: Any) -> list[tuple[str, bool]]:
+    """A backward says whether it keeps its graph; the profiler has its flag, and a range
+    opens and closes."""
     kept: list[bool] = []
     for retain in (True, False):
         leaf = torch.ones(1, requires_grad=True)
         out = leaf * 2
         out.register_hook(lambda grad: kept.append(p.backward_keeps_graph()))
         out.backward(retain_graph=retain)
-    found.append(("backward_keeps_graph", kept == [True, False]))
-    found.append(("profiler", isinstance(p.profiler._is_profiler_enabled, bool)))
+    profiler_flag = isinstance(p.profiler._is_profiler_enabled, bool)
     p.exit_profiler_range(p.enter_profiler_range("dbo/check", None))
-    return found
+    return [("backward_keeps_graph", kept == [True, False]), ("profiler", profiler_flag)]
 
 
 class _Private:
@@ -176,10 +208,11 @@ def _load(into: _Private) -> None:
         thread = threading.Thread(target=run, name="dbo-torch-binding-check", daemon=True)
         thread.start()
         thread.join(timeout=60)
-        failed = [name for name, ok in found if not ok] or ["every binding"]
-        if errors or thread.is_alive() or not all(ok for _, ok in found) or not found:
+        failed = [name for name, ok in found if not ok]
+        if errors or thread.is_alive() or failed or not found:
             detail = f" ({errors[0]!r})" if errors else ""
-            raise _missing(failed[0], f"behaves otherwise than dbo expects{detail}")
+            raise _missing(failed[0] if failed else None,
+                           f"behaves otherwise than dbo expects{detail}")
         into.__dict__.update(probe.__dict__)
 
 

@@ -26,7 +26,10 @@ part in the caller's thread, and its gradient stops at the ubatch's own argument
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,18 +43,6 @@ from dbo.split.batch import UBatchInputs, flat_arguments, flatten
 RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
 """`run_ubatches(fn, [(args_i, kwargs_i), ...]) -> [fn(*args_i, **kwargs_i), ...]`, each in
 its ubatch thread, or in turn in this thread (inside a ubatch, where nothing nests)."""
-
-_leaf_user = torch.empty(1, requires_grad=True).expand(1).grad_fn
-assert _leaf_user is not None, "an op on a leaf that requires grad records a node"
-_AccumulateGrad = type(_leaf_user.next_functions[0][0])
-"""The autograd node of a leaf (its `variable`)."""
-del _leaf_user
-
-_ReentrantCheckpoint = type(checkpoint(
-    torch.neg, torch.empty(1, requires_grad=True), use_reentrant=True
-).grad_fn)
-"""The autograd node of `torch.utils.checkpoint(..., use_reentrant=True)`, whose backward
-refuses to run inside `torch.autograd.grad`."""
 
 
 def own_leaves(
@@ -67,17 +58,15 @@ def own_leaves(
     replaced: list[list[torch.Tensor]] = []
     for part in parts:
         leaves, spec = flatten(part)
-        own: dict[int, torch.Tensor] = {}
-        originals: list[torch.Tensor] = []
+        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its leaf)
         for index, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            if _requires_grad(leaf):
                 if id(leaf) not in own:
-                    own[id(leaf)] = leaf.detach().requires_grad_()
-                    originals.append(leaf)
-                leaves[index] = own[id(leaf)]
+                    own[id(leaf)] = (leaf, leaf.detach().requires_grad_())
+                leaves[index] = own[id(leaf)][1]
         mine_parts.append(pytree.tree_unflatten(leaves, spec) if own else part)
-        mine.append(list(own.values()))
-        replaced.append(originals)
+        mine.append([leaf for _, leaf in own.values()])
+        replaced.append([tensor for tensor, _ in own.values()])
     return mine_parts, mine, replaced
 
 
@@ -86,35 +75,63 @@ def _any_requires_grad(part: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
     leaves = flat_arguments([part])
     if leaves is None:
         leaves = flatten(part)[0]
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves)
+    return any(_requires_grad(leaf) for leaf in leaves)
 
 
 Edge = tuple[Any, int]
 """An autograd edge: (node, input slot), as in `Node.next_functions`."""
 
 
-class _Plan:
-    """What the node needs for its backward. Per ubatch: its differentiable outputs and
-    what to differentiate them by: its own leaves, `leaves[k]` for each k in
-    `leaves_at` (the leaves its graph reaches alone), and `edges[e]` for each e in
-    `edges_at` (where its graph enters a part that several ubatches' graphs share).
-    `region_at`: the leaves (indices into `leaves`) only that shared part reaches."""
+@functools.cache
+def _leaf_node_type() -> type[Any]:
+    """The autograd node of a leaf (its `variable`), learned from a graph of its own at
+    first use."""
+    with torch.enable_grad():
+        leaf_user = torch.empty(1, device="cpu", requires_grad=True).expand(1).grad_fn
+    assert leaf_user is not None, "an op on a leaf that requires grad records a node"
+    return type(leaf_user.next_functions[0][0])
 
-    def __init__(self, run_ubatches: RunUBatches) -> None:
-        self.run_ubatches = run_ubatches
-        self.outputs: list[list[torch.Tensor]] = []
-        self.own: list[list[torch.Tensor]] = []
-        self.leaves: list[torch.Tensor] = []
-        self._index_of: dict[int, int] = {}
-        """`id(leaf)` -> its index in `leaves`."""
-        self.leaves_at: list[list[int]] = []
-        self.edges: list[GradientEdge] = []
-        self.edges_at: list[list[int]] = []
-        self.region_at: list[int] = []
-        self.keep_ubatch_graphs = False
-        """Whether every ubatch's backward keeps the graph: when a leaf is reached both
-        through a shared part and apart from it, each ubatch's backward runs the shared
-        part itself, and the next one runs it again."""
+
+@functools.cache
+def _reentrant_checkpoint_type() -> type[Any]:
+    """The autograd node of `torch.utils.checkpoint(..., use_reentrant=True)`, whose backward
+    refuses to run inside `torch.autograd.grad`; learned from a checkpoint of its own at
+    first use."""
+    with torch.enable_grad():
+        leaf = torch.empty(1, device="cpu", requires_grad=True)
+        return type(checkpoint(torch.neg, leaf, use_reentrant=True).grad_fn)
+
+
+@dataclass
+class _UBatchPlan:
+    """One ubatch's part of the plan: its differentiable outputs, and what its backward
+    differentiates them by: its own leaves, the plan's `leaves` at `leaf_at` (the leaves
+    its graph reaches alone), then the plan's `edges` at `edge_at` (where its graph enters
+    a part that several ubatches' graphs share)."""
+
+    outputs: list[torch.Tensor]
+    own: list[torch.Tensor]
+    leaf_at: list[int] = field(default_factory=list)
+    edge_at: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Plan:
+    """What the node needs for its backward: a `_UBatchPlan` per ubatch, the leaves and
+    edges they differentiate by, and `region_at`: the leaves (indices into `leaves`) only
+    the shared part reaches."""
+
+    run_ubatches: RunUBatches
+    ubatches: list[_UBatchPlan]
+    leaves: list[torch.Tensor] = field(default_factory=list)
+    edges: list[GradientEdge] = field(default_factory=list)
+    region_at: list[int] = field(default_factory=list)
+    keep_ubatch_graphs: bool = False
+    """Whether every ubatch's backward keeps the graph: when a leaf is reached both
+    through a shared part and apart from it, each ubatch's backward runs the shared part
+    itself, and the next one runs it again."""
+    _index_of: dict[int, int] = field(default_factory=dict)
+    """`id(leaf)` -> its index in `leaves`."""
 
     def add_leaves(self, leaves: list[torch.Tensor]) -> list[int]:
         """The indices of `leaves` in `self.leaves`, added where new."""
@@ -126,6 +143,56 @@ class _Plan:
             at.append(self._index_of[id(leaf)])
         return at
 
+    def jobs(self, grads: Sequence[torch.Tensor | None], keep_graph: bool) -> UBatchInputs:
+        """Each ubatch's `_ubatch_backward` arguments: its outputs with their `grads` (the
+        node's, ubatch by ubatch; None: unused), what to differentiate them by, in order."""
+        jobs: UBatchInputs = []
+        grads_left = iter(grads)
+        for ubatch in self.ubatches:
+            paired = zip(ubatch.outputs, itertools.islice(grads_left, len(ubatch.outputs)))
+            roots = [(output, grad) for output, grad in paired if grad is not None]
+            wrt = [*ubatch.own, *(self.leaves[k] for k in ubatch.leaf_at),
+                   *(self.edges[e] for e in ubatch.edge_at)]
+            jobs.append(((roots, wrt, keep_graph), {}))
+        return jobs
+
+    def summed(self, results: list[list[Any]]) -> tuple[list[Any], list[Any], list[Any]]:
+        """From the ubatches' gradients, emptied as they are summed: the own leaves'
+        (ubatch by ubatch), and per leaf and per edge their sum over the ubatches, in
+        ubatch order (None: no gradient)."""
+        own_grads: list[torch.Tensor | None] = []
+        leaf_grads: list[torch.Tensor | None] = [None] * len(self.leaves)
+        edge_grads: list[torch.Tensor | None] = [None] * len(self.edges)
+        for ubatch, ubatch_grads in zip(self.ubatches, results):
+            num_own = len(ubatch.own)
+            own_grads.extend(ubatch_grads[:num_own])
+            places = [*((leaf_grads, k) for k in ubatch.leaf_at),
+                      *((edge_grads, e) for e in ubatch.edge_at)]
+            for index, (sums, k) in enumerate(places, start=num_own):
+                grad, ubatch_grads[index] = ubatch_grads[index], None
+                _add(sums, k, grad)
+        return own_grads, leaf_grads, edge_grads
+
+    def shared_part_backward(self, edge_grads: list[Any], leaf_grads: list[Any]) -> None:
+        """The shared part's backward, once, on the gradients summed at its edges; adds
+        into `leaf_grads`. It keeps the graph: autograd may reach that part again from
+        outside the call."""
+        entered = [(edge, grad) for edge, grad in zip(self.edges, edge_grads) if grad is not None]
+        if not entered or not self.region_at:
+            return
+        edges, summed = zip(*entered)
+        region = [self.leaves[k] for k in self.region_at]
+        grads = torch.autograd.grad(edges, region, summed, retain_graph=True, allow_unused=True)
+        for k, grad in zip(self.region_at, grads):
+            _add(leaf_grads, k, grad)
+
+
+def _add(sums: list[Any], k: int, grad: torch.Tensor | None) -> None:
+    """Add `grad` into `sums[k]` (None: nothing to add, or nothing there yet)."""
+    if grad is not None:
+        total = sums[k]
+        sums[k] = grad if total is None else total + grad
+
 
 def attach(
     outputs: list[Any], own: list[list[torch.Tensor]], replaced: list[list[torch.Tensor]],
@@ -135,29 +202,29 @@ def attach(
     gradient runs the ubatches' backward through `run_ubatches`; `outputs` as they are
     when none requires grad. `own[i]`: ubatch i's leaves from `own_leaves`, `replaced[i]`
     the tensors they replaced."""
-    plan = _Plan(run_ubatches)
     flat = [  # a plain tensor output (the usual case): no tree walk
         ([output], None) if type(output) is torch.Tensor else flatten(output)
         for output in outputs
     ]
-    for leaves, _ in flat:
-        plan.outputs.append([
-            leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-        ])
-    if not any(plan.outputs):
+    ubatches = [
+        _UBatchPlan([leaf for leaf in leaves if _requires_grad(leaf)], own_leaves_i)
+        for (leaves, _), own_leaves_i in zip(flat, own)
+    ]
+    if not any(ubatch.outputs for ubatch in ubatches):
         return outputs
-    plan.own = own
+    plan = _Plan(run_ubatches, ubatches)
     _plan_graphs(plan)
     inputs = [tensor for tensors in replaced for tensor in tensors]
     aliases = iter(_UBatchesBackward.apply(plan, *inputs, *plan.leaves))
     merged = []
     for leaves, spec in flat:
-        leaves = [
-            next(aliases) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else leaf
-            for leaf in leaves
-        ]
+        leaves = [next(aliases) if _requires_grad(leaf) else leaf for leaf in leaves]
         merged.append(leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec))
     return merged
+
+
+def _requires_grad(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.requires_grad
 
 
 def _plan_graphs(plan: _Plan) -> None:
@@ -165,16 +232,14 @@ def _plan_graphs(plan: _Plan) -> None:
     in it, autocast's cached weight casts), each ubatch's stops at the shared part, whose
     backward runs once, on the ubatches' gradients summed (`_UBatchesBackward`), as
     autograd's own would; unless a leaf is also reached apart from the shared part."""
-    walks = [
-        _walk(_starts(outputs), own, frozenset())
-        for outputs, own in zip(plan.outputs, plan.own)
-    ]
+    walks = [_walk(_starts(ubatch.outputs), ubatch.own, frozenset()) for ubatch in plan.ubatches]
     walked: set[Any] = set()
     met: set[Any] = set()  # the inner nodes more than one ubatch's walk reached
     for _, _, nodes in walks:
         met |= walked & nodes
         walked |= nodes
-    if any(type(node) is _ReentrantCheckpoint for node in walked):
+    reentrant = _reentrant_checkpoint_type()
+    if any(type(node) is reentrant for node in walked):
         raise ValueError(
             "fn's graph holds torch.utils.checkpoint(..., use_reentrant=True), whose backward "
             "refuses torch.autograd.grad, and each ubatch's backward is one: checkpoint "
@@ -184,27 +249,22 @@ def _plan_graphs(plan: _Plan) -> None:
         )
     if met:
         shared = frozenset(met)
-        cut = [
-            _walk(_starts(outputs), own, shared)
-            for outputs, own in zip(plan.outputs, plan.own)
-        ]
+        cut = [_walk(_starts(ubatch.outputs), ubatch.own, shared) for ubatch in plan.ubatches]
         entry_of = {edge: e for e, edge in enumerate(
             dict.fromkeys(edge for _, edges, _ in cut for edge in edges)
         )}
-        entries = list(entry_of)
-        region, _, _ = _walk(entries, [], frozenset())
+        region, _, _ = _walk(list(entry_of), [], frozenset())
         apart = {id(leaf) for leaves, _, _ in cut for leaf in leaves}
         if not any(id(leaf) in apart for leaf in region):
-            for leaves, edges, _ in cut:
-                plan.leaves_at.append(plan.add_leaves(leaves))
-                plan.edges_at.append([entry_of[edge] for edge in edges])
-            plan.edges = [GradientEdge(node, slot) for node, slot in entries]
+            for ubatch, (leaves, edges, _) in zip(plan.ubatches, cut):
+                ubatch.leaf_at = plan.add_leaves(leaves)
+                ubatch.edge_at = [entry_of[edge] for edge in edges]
+            plan.edges = [GradientEdge(node, slot) for node, slot in entry_of]
             plan.region_at = plan.add_leaves(region)
             return
         plan.keep_ubatch_graphs = True
-    for leaves, _, _ in walks:
-        plan.leaves_at.append(plan.add_leaves(leaves))
-        plan.edges_at.append([])
+    for ubatch, (leaves, _, _) in zip(plan.ubatches, walks):
+        ubatch.leaf_at = plan.add_leaves(leaves)
 
 
 def _starts(outputs: list[torch.Tensor]) -> list[Edge | torch.Tensor]:
@@ -220,6 +280,7 @@ def _walk(
 ) -> tuple[list[torch.Tensor], list[Edge], set[Any]]:
     """From `starts` (edges, or leaves): the leaves that require grad reached, other than
     `own`; the edges into `stop` nodes (not walked past); the inner nodes walked."""
+    leaf_node = _leaf_node_type()
     skip = {id(tensor) for tensor in own}
     leaves: list[torch.Tensor] = []
     edges: dict[Edge, None] = {}  # ordered, each edge once
@@ -233,8 +294,8 @@ def _walk(
                 leaves.append(item)
             return
         node = item[0]
-        if type(node) is _AccumulateGrad:
-            reach(node.variable)  # type: ignore[union-attr]
+        if type(node) is leaf_node:
+            reach(node.variable)
         elif node in stop:
             edges[item] = None
         elif node not in nodes:
@@ -258,7 +319,7 @@ class _UBatchesBackward(torch.autograd.Function):
     def forward(ctx: Any, plan: _Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.plan = plan
         ctx.set_materialize_grads(False)  # an unused output: no backward for it
-        return tuple(output.detach() for outputs in plan.outputs for output in outputs)
+        return tuple(output.detach() for ubatch in plan.ubatches for output in ubatch.outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -275,52 +336,15 @@ class _UBatchesBackward(torch.autograd.Function):
                 "a gradient penalty) is not supported there. Pass overlap_backward=False "
                 "to dbo.overlap: the backward then runs whole in the caller's thread"
             )
-        keep_graph = _keep_graph()
+        keep_graph = bool(private.backward_keeps_graph())  # the caller's retain_graph
         if not keep_graph:
             ctx.plan = None  # the ubatches' graphs go with their backward, as autograd's do
-        jobs: UBatchInputs = []
-        position = 0
-        for ubatch_id, outputs in enumerate(plan.outputs):
-            roots = [
-                (output, grad)
-                for output, grad in zip(outputs, grads[position:position + len(outputs)])
-                if grad is not None
-            ]
-            position += len(outputs)
-            wrt = [
-                *plan.own[ubatch_id], *(plan.leaves[k] for k in plan.leaves_at[ubatch_id]),
-                *(plan.edges[e] for e in plan.edges_at[ubatch_id]),
-            ]
-            jobs.append(((roots, wrt, keep_graph or plan.keep_ubatch_graphs), {}))
+        jobs = plan.jobs(grads, keep_graph or plan.keep_ubatch_graphs)
         # Lists, emptied as they are summed: a leaf's gradients go once added, so at most
         # two copies of the parameters' gradients live, not three.
         results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
-        own_grads: list[torch.Tensor | None] = []
-        leaf_grads: list[torch.Tensor | None] = [None] * len(plan.leaves)
-        edge_grads: list[torch.Tensor | None] = [None] * len(plan.edges)
-        for ubatch_id, ubatch_grads in enumerate(results):
-            num_own = len(plan.own[ubatch_id])
-            own_grads.extend(ubatch_grads[:num_own])
-            places = [
-                *((leaf_grads, k) for k in plan.leaves_at[ubatch_id]),
-                *((edge_grads, e) for e in plan.edges_at[ubatch_id]),
-            ]
-            for index, (sums, k) in enumerate(places, start=num_own):
-                grad, ubatch_grads[index] = ubatch_grads[index], None
-                if grad is not None:
-                    total = sums[k]
-                    sums[k] = grad if total is None else total + grad
-        entered = [(edge, grad) for edge, grad in zip(plan.edges, edge_grads) if grad is not None]
-        if entered and plan.region_at:
-            # The shared part's backward, once, on the ubatches' gradients summed. It keeps
-            # the graph: autograd may reach that part again from outside the call.
-            edges, summed = zip(*entered)
-            region = [plan.leaves[k] for k in plan.region_at]
-            for k, grad in zip(plan.region_at, torch.autograd.grad(
-                edges, region, summed, retain_graph=True, allow_unused=True
-            )):
-                total = leaf_grads[k]
-                leaf_grads[k] = grad if total is None or grad is None else total + grad
+        own_grads, leaf_grads, edge_grads = plan.summed(results)
+        plan.shared_part_backward(edge_grads, leaf_grads)
         return (None, *own_grads, *leaf_grads)
 
 
@@ -336,7 +360,3 @@ def _ubatch_backward(
             outputs, wrt, grads, retain_graph=keep_graph, allow_unused=True
         )
 
-
-def _keep_graph() -> bool:
-    """Whether the running backward keeps the graph (`retain_graph=True`)."""
-    return bool(private.backward_keeps_graph())

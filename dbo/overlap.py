@@ -13,14 +13,13 @@ from typing import Any, TypeVar, overload
 import torch
 
 from dbo import tracing
-from dbo._checks import check_num_ubatches
+from dbo._checks import check_num_ubatches, check_timeout
 from dbo._decide import decided_parts
 from dbo._torch_private import private
 from dbo.backward import attach, own_leaves
 from dbo.runtime import thread_settings
 from dbo.runtime.context import current_context
 from dbo.runtime.pool import runner_pool
-from dbo.runtime.runner import check_timeout
 from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, split_parts
 from dbo.split.outputs import default_merge
 
@@ -205,10 +204,12 @@ class Overlapped:
             cut_args, cut_kwargs, held = hold_out(args, kwargs, whole_indices, whole_names)
             overlap_if = options.overlap_if
             leaves, parts = decided_parts(
-                cut_args, cut_kwargs, options.split is not None, options.decision_group,
-                must_inline, max(options.num_ubatches, options.min_batch_size or 1),
-                None if overlap_if is None else lambda: overlap_if(*args, **kwargs),
-                lambda leaves: self._parts(cut_args, cut_kwargs, leaves),
+                cut_args, cut_kwargs,
+                smallest=max(options.num_ubatches, options.min_batch_size or 1),
+                custom_split=options.split is not None, must_inline=must_inline,
+                overlap_if=None if overlap_if is None else lambda: overlap_if(*args, **kwargs),
+                make_parts=lambda leaves: self._parts(cut_args, cut_kwargs, leaves),
+                group=options.decision_group,
             )
             if parts is None:
                 name = "dbo.overlap inline"

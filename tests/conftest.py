@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import comm
-import dbo.runtime.runner
+import dbo.runtime.exit
 import workspace
 from comm.distributed import TORCHRUN_ENV_VARS
 
@@ -30,7 +30,7 @@ def nothing_left_running() -> Iterator[None]:
     exit wait would otherwise end the pytest process with status 1, blaming no test."""
     yield
     deadline = time.monotonic() + 10.0
-    while any(still_running(0) for still_running in dbo.runtime.runner._left_running):
+    while any(still_running(0) for still_running in dbo.runtime.exit._left_running):
         if time.monotonic() > deadline:
             pytest.fail("an aborted run's ubatch or collective still runs 10 s after the test")
         time.sleep(0.01)

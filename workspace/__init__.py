@@ -35,7 +35,6 @@ logger = logging.getLogger("workspace")
 _Makers = tuple[Callable[[], torch.Tensor], ...]  # a prepared request: one maker per tensor
 _Device = torch.device | str | int
 _Request = tuple[Sequence[int], torch.dtype]
-_NO_BUFFER = torch.empty(0, dtype=torch.uint8, device="cpu")  # a slot's buffer until realized
 
 
 class WorkspaceLockedError(RuntimeError):
@@ -93,11 +92,16 @@ def _check_request(index: int, request: Any) -> tuple[tuple[int, ...], torch.dty
 class _Slot:
     """One ubatch's buffer (replaced by its own thread or `lock()`) and its last user."""
 
-    buffer: torch.Tensor = _NO_BUFFER
+    buffer: torch.Tensor | None = None  # None until realized
     views: dict[Any, _Makers] = field(default_factory=dict)  # by request; cleared on growth
     user: int | None = None  # `threading.get_ident()` of the thread that asked last
     run_token: object | None = None  # the overlap run it asked from, if any
     running: bool = False  # that ubatch still runs (until its `dbo.at_ubatch_exit`)
+
+    @property
+    def realized_bytes(self) -> int:
+        """The size of its buffer (0: not realized yet)."""
+        return 0 if self.buffer is None else self.buffer.numel()
 
 
 class WorkspaceManager:
@@ -203,7 +207,7 @@ class WorkspaceManager:
                 for other in self._slots:
                     if other is not slot:  # its thread may still hold views into its buffer
                         other.views.clear()
-            elif total_bytes > 0 and slot.buffer.numel() < old_capacity:
+            elif total_bytes > 0 and slot.realized_bytes < old_capacity:
                 self._realize(slot, old_capacity)
             for offset, num_bytes, (shape, dtype) in zip(offsets, sizes, checked):
                 if num_bytes == 0:  # fresh: an `out=` resizing a view would overwrite others
@@ -211,6 +215,7 @@ class WorkspaceManager:
                     continue
                 # Cut outside inference mode (its views refuse in-place writes outside it);
                 # a `detach()` per call keeps one call's autograd history out of the next's.
+                assert slot.buffer is not None, "a request of some bytes realized its slot"
                 with torch.inference_mode(False):
                     view = slot.buffer[offset : offset + num_bytes].view(dtype).view(shape)
                 makers.append(view.detach)
@@ -224,10 +229,10 @@ class WorkspaceManager:
 
     def _realize(self, slot: _Slot, num_bytes: int) -> None:
         """Free `slot`'s buffer, then allocate `num_bytes`, 256-byte aligned: peak max(old, new)."""
-        old, slot.buffer = slot.buffer, _NO_BUFFER
+        old, slot.buffer = slot.buffer, None
         slot.views.clear()
         stream = dbo.current_stream()  # a ubatch's CUDA stream, inside an overlap
-        if old.is_cuda and isinstance(stream, torch.cuda.Stream):
+        if old is not None and old.is_cuda and isinstance(stream, torch.cuda.Stream):
             old.record_stream(stream)  # not reused before that stream is past it
         del old
         try:
@@ -257,7 +262,7 @@ class WorkspaceManager:
                 raise RuntimeError(f"WorkspaceManager.lock() was called {where}; it reallocates "
                                    "the slots under their views. Lock outside dbo.overlap")
             for slot in self._slots:
-                if slot.buffer.numel() != self._capacity_bytes:
+                if slot.realized_bytes != self._capacity_bytes:
                     self._realize(slot, self._capacity_bytes)
             self._locked, self._locked_by_capture = True, by_capture
         logger.debug("locked at %.2f MB per slot", self._capacity_bytes / _MB)
@@ -275,7 +280,7 @@ class WorkspaceManager:
     def stats(self) -> WorkspaceStats:
         """A snapshot of the capacity, each slot's bytes, resizes and allocations."""
         with self._lock:
-            realized = tuple(slot.buffer.numel() for slot in self._slots)
+            realized = tuple(slot.realized_bytes for slot in self._slots)
             return WorkspaceStats(self._capacity_bytes, realized, self._num_resizes,
                                   self._num_allocations, self._locked)
 

@@ -144,12 +144,7 @@ class Baton:
                 self._make_holder(ubatch_id)
                 return
             now = time.perf_counter()
-            recording = tracing.recording
-            if recording is not None:
-                recording.add("baton", ubatch_id, self._turn_start[ubatch_id] or 0.0, now)
-            if self._ranges[ubatch_id] is not None:
-                tracing.end_range(self._ranges[ubatch_id])
-                self._ranges[ubatch_id] = None
+            self._end_turn(ubatch_id, now)
             self.holder = successor
             self.holder_since = now
             self.num_turns += 1
@@ -166,14 +161,8 @@ class Baton:
         with self._mutex:
             if not self._live[ubatch_id]:
                 return  # counted already (a revoked job, counted again after an interrupt)
-            recording = tracing.recording
             held = self.holder == ubatch_id
-            started = self._turn_start[ubatch_id]
-            if recording is not None and held and started is not None:  # it ran a turn
-                recording.add("baton", ubatch_id, started, time.perf_counter())
-            if self._ranges[ubatch_id] is not None:
-                tracing.end_range(self._ranges[ubatch_id])
-                self._ranges[ubatch_id] = None
+            self._end_turn(ubatch_id, time.perf_counter() if held else None)
             self._live[ubatch_id] = False
             self._num_live -= 1
             last = self._num_live == 0
@@ -189,6 +178,16 @@ class Baton:
             self._wake[successor].set()
 
     # ------------------------------------------------------------------ internals
+    def _end_turn(self, ubatch_id: int, now: float | None) -> None:
+        """End `ubatch_id`'s turn at `now` (None: it held none) on the `dbo.trace()`
+        timeline, if it ran one, and its profiler range (call with the mutex held)."""
+        recording, started = tracing.recording, self._turn_start[ubatch_id]
+        if recording is not None and now is not None and started is not None:
+            recording.add("baton", ubatch_id, started, now)
+        if self._ranges[ubatch_id] is not None:
+            tracing.end_range(self._ranges[ubatch_id])
+            self._ranges[ubatch_id] = None
+
     def _next_live(self, ubatch_id: int) -> int:
         for step in range(1, self.num_ubatches + 1):
             candidate = (ubatch_id + step) % self.num_ubatches

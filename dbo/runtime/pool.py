@@ -11,8 +11,9 @@ from contextlib import contextmanager
 import torch
 
 from dbo import tracing
+from dbo.device.streams import held_streams
 from dbo.runtime import affinity, context
-from dbo.runtime import runner as runner_module
+from dbo.runtime import exit as interpreter_exit
 from dbo.runtime.runner import RunnerState, UBatchRunner
 
 _MAX_IDLE_RUNNERS = 2  # per key; more exist only while callers overlap
@@ -84,7 +85,8 @@ def _after_fork_in_child() -> None:
     registrations and locks it inherited; new runners are built on first use."""
     runner_pool.reset_after_fork()
     context.reset_after_fork()
-    runner_module.reset_after_fork()
+    interpreter_exit.reset_after_fork()
+    held_streams.reset_after_fork()
     tracing.reset_after_fork()
 
 

@@ -140,12 +140,16 @@ class OverlapRun:
         (an event recorded now on each of their streams). For work that touches what other
         ubatches wrote: the KV-cache rule brings the caller's cache up to date in the last
         ubatch's exit callback, and grows buffers that hold every ubatch's rows."""
+        self.order_after_every_ubatch(self.backend.current_stream())
+
+    def order_after_every_ubatch(self, stream: Any) -> None:
+        """Order `stream` after all that every ubatch has queued so far (an event recorded
+        now on each ubatch stream other than `stream`)."""
         backend = self.backend
-        current = backend.current_stream()
         for streams in self.streams:
-            for stream in (streams.compute, streams.comm):
-                if stream is not current:
-                    backend.wait_event(current, backend.record_event(stream))
+            for ubatch_stream in (streams.compute, streams.comm):
+                if ubatch_stream is not stream:
+                    backend.wait_event(stream, backend.record_event(ubatch_stream))
 
     def add_exit_callback(
         self, ubatch_id: int, callback: Callable[[], Any],
@@ -163,32 +167,43 @@ class OverlapRun:
             hooks.clear()
 
     def finish_normally(self, ubatch_id: int) -> None:
-        """At a ubatch's normal end, in its thread: its exit callbacks, in order; the recv
-        hooks pending for it; the ones it registered for the next ubatch if that one has
-        returned (nobody else will run them); again until none registers a callback (a
-        hook may start a collective whose handle registers one)."""
-        callbacks, target = self._exit_callbacks[ubatch_id], (ubatch_id + 1) % self.num_ubatches
-        rounds = 0
+        """At a ubatch's normal end, in its thread, round after round until a round leaves
+        no exit callback (a hook may start a collective whose handle registers one): its
+        exit callbacks, in order; the recv hooks pending for it; then, if the next ubatch
+        has returned, the hooks registered for that one (nobody else will run them)."""
+        callbacks = self._exit_callbacks[ubatch_id]
+        after = (ubatch_id + 1) % self.num_ubatches  # the ubatch its hooks are for
+        after_rounds = 0  # rounds of `after`'s hooks run here, in all
         while True:
             while callbacks:
                 callbacks.pop(0)[0]()
-            # No limit: a new hook comes from the previous ubatch, which a hook yielded to
-            # (a single ubatch is its own target: the loop below runs its hooks).
-            while target != ubatch_id and self.maybe_run_recv_hook(ubatch_id):
+            # A lone ubatch is its own `after`: its hooks run below. No limit here: a new
+            # hook comes from the previous ubatch, which a hook yielded to.
+            while after != ubatch_id and self.maybe_run_recv_hook(ubatch_id):
                 pass
             self._returned[ubatch_id] = True
-            while self._returned[target] and self.maybe_run_recv_hook(target, running=ubatch_id):
-                rounds += 1
-                if rounds >= _MAX_RECV_HOOK_ROUNDS and self._recv_hooks[target]:
-                    raise RuntimeError(
-                        f"recv hooks for ubatch {target}, which has returned, kept registering "
-                        f"new ones for {rounds} rounds at the end of ubatch {ubatch_id}; a "
-                        "hook that runs after its target has returned must complete its "
-                        "receive (wait for it), not register itself again to poll"
-                    )
-            if not callbacks:
-                self._ended_normally[ubatch_id] = True
-                return
+            if self._returned[after]:
+                after_rounds = self._run_hooks_of_returned(after, ubatch_id, after_rounds)
+            if not callbacks:  # no hook registered an exit callback
+                break
+        self._ended_normally[ubatch_id] = True
+
+    def _run_hooks_of_returned(self, returned: int, running: int, rounds: int) -> int:
+        """In `running`'s thread, run the hooks pending for `returned` (which has returned),
+        round after round while they register more (a receive in stages); return `rounds`
+        (those run before) plus those run now. RuntimeError when hooks are still pending
+        after `_MAX_RECV_HOOK_ROUNDS` rounds: a hook that keeps registering itself (a poll)
+        fails the run instead of hanging it."""
+        while self.maybe_run_recv_hook(returned, running=running):
+            rounds += 1
+            if rounds >= _MAX_RECV_HOOK_ROUNDS and self._recv_hooks[returned]:
+                raise RuntimeError(
+                    f"recv hooks for ubatch {returned}, which has returned, kept registering "
+                    f"new ones for {rounds} rounds at the end of ubatch {running}; a hook "
+                    "that runs after its target has returned must complete its receive "
+                    "(wait for it), not register itself again to poll"
+                )
+        return rounds
 
     # ------------------------------------------------------------------ ubatch-side API
     def current_stream(self, ubatch_id: int) -> Any:

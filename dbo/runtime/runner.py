@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import enum
-import logging
-import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -20,76 +16,19 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from dbo._checks import check_num_ubatches, lock_timeout
+from dbo._checks import check_num_ubatches, check_timeout, lock_timeout
 from dbo.device.backends import DeviceBackend, backend_for
 from dbo.device.streams import StreamLease, held_streams
 from dbo.errors import OverlapTimeoutError, attach_ubatch_id
 from dbo.runtime import affinity, thread_settings
 from dbo.runtime.context import current_context
+from dbo.runtime.exit import wait_at_exit
 from dbo.runtime.run import OverlapRun, UBatchStreams
 from dbo.runtime.worker import UBatchJob, Worker, stop_workers
 from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, flat_arguments
 
 _ABORT_GRACE_S = 0.5
 """How long an aborted run's ubatches get to unwind before the runner is left broken."""
-
-EXIT_WAIT_S = 2.0
-"""At exit, how long to wait in all for what aborted runs left running (`wait_at_exit`)."""
-
-_left_running: list[Callable[[float], object]] = []  # `wait_at_exit`'s, still running
-_left_running_lock = threading.Lock()
-
-
-def wait_at_exit(still_running: Callable[[float], object]) -> None:
-    """Have the exit (atexit: after the non-daemon threads are joined, before finalization
-    kills the daemon ones in a torch op: SIGABRT) wait for `still_running(s)`, which waits
-    up to s seconds and is truthy while it runs. Past `EXIT_WAIT_S` in all, the process
-    says so and ends unfinalized: by SIGINT after an uncaught KeyboardInterrupt, else 1."""
-    with _left_running_lock:
-        kept = [it for it in _left_running if it is not still_running and it(0)]
-        _left_running[:] = [*kept, still_running]
-    atexit.unregister(_wait_at_exit)  # once, and before the handlers registered earlier
-    atexit.register(_wait_at_exit)
-
-
-def _wait_at_exit() -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
-    last = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)  # not a prompt's
-    interrupted = isinstance(last, KeyboardInterrupt)
-    try:
-        if not any(it(max(0.0, deadline - time.monotonic())) for it in list(_left_running)):
-            return
-    except KeyboardInterrupt:  # Ctrl-C again: stop waiting
-        interrupted = True
-    try:
-        sys.stdout.flush()
-        logging.shutdown()  # the atexit handlers registered before this one do not run
-        print(f"dbo: a ubatch or collective of an aborted run still runs {EXIT_WAIT_S} s into "
-              "the exit; the process ends now, without finalization", file=sys.stderr, flush=True)
-    finally:
-        if interrupted:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        os._exit(130 if interrupted else 1)
-
-
-def reset_after_fork() -> None:
-    """In a forked child: the parent's ubatch threads are not there to wait for."""
-    global _left_running_lock
-    _left_running_lock = threading.Lock()
-    _left_running.clear()
-    held_streams.reset_after_fork()
-
-
-def check_timeout(timeout_s: Any) -> float | None:
-    """Validate a watchdog timeout: None or seconds > 0 (infinity means None)."""
-    if timeout_s is None:
-        return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        raise TypeError(f"timeout_s must be a number of seconds or None, got {timeout_s!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    return None if math.isinf(timeout_s) else float(timeout_s)
 
 
 class RunnerState(enum.Enum):
@@ -183,9 +122,7 @@ class UBatchRunner:
         run = self._run
         if self._state is not RunnerState.BROKEN or run is None:
             return
-        for ubatch_id, job in enumerate(self._jobs):
-            if job.revoked:  # counted again: an interrupt may have come between the two
-                run.baton.finish(ubatch_id)
+        _finish_revoked(run, self._jobs)
         if run.baton.wait_done(0):
             self._set_state(RunnerState.IDLE)
 
@@ -319,8 +256,7 @@ class UBatchRunner:
     def _new_run(self, inputs: UBatchInputs, device: torch.device | None) -> OverlapRun:
         """A run on this runner's streams for the device (see `run`), forked from the
         caller's current stream."""
-        if self.device is not None:
-            device = self.device
+        device = self.device or device  # the runner's own, else the one for this run
         if device is None or device.type == "cuda":
             device = _streams_device(_input_leaves(inputs), device)
         if device not in self._streams:
@@ -362,9 +298,7 @@ class UBatchRunner:
         with self._mutex:
             if self._state is RunnerState.RUNNING and self._run is run:
                 # An interrupt before the baton started leaves jobs that must never run.
-                for ubatch_id, job in enumerate(jobs):
-                    if job.revoke():
-                        run.baton.finish(ubatch_id)
+                _finish_revoked(run, jobs)
                 ended = run.baton.wait_done(0)
                 self._set_state(RunnerState.IDLE if ended else RunnerState.BROKEN)
             closed = self._state is RunnerState.CLOSED
@@ -382,9 +316,7 @@ class UBatchRunner:
             else f"the caller was interrupted ({type(error).__name__})"
         )
         run.baton.abort(reason)
-        for ubatch_id, job in enumerate(jobs):
-            if job.revoke():
-                run.baton.finish(ubatch_id)
+        _finish_revoked(run, jobs)
         run.baton.abort(reason, wake_all=True)
         if run.baton.wait_done(_ABORT_GRACE_S):
             run.drop_leftovers()
@@ -394,9 +326,7 @@ class UBatchRunner:
         wait_at_exit(lambda s: not baton.wait_done(s))
         # Best effort: the caller's stream waits for what the ubatches enqueued so far,
         # so that it does not reuse the inputs under their kernels.
-        for ubatch_streams in run.streams:
-            for stream in (ubatch_streams.compute, ubatch_streams.comm):
-                run.backend.wait_event(run.caller_stream, run.backend.record_event(stream))
+        run.order_after_every_ubatch(run.caller_stream)
 
     def _collect(
         self, run: OverlapRun, results: list[Any], errors: list[BaseException | None]
@@ -463,6 +393,15 @@ class UBatchRunner:
         if frame is None:
             return "  (the thread has no Python frame)"
         return "".join(traceback.format_stack(frame))
+
+
+def _finish_revoked(run: OverlapRun, jobs: list[UBatchJob]) -> None:
+    """Revoke the jobs that have not started (they never will) and count every revoked
+    one as finished; again for one revoked before (an interrupt may have come between
+    its revoke and its count: `finish` is idempotent)."""
+    for ubatch_id, job in enumerate(jobs):
+        if job.revoke() or job.revoked:
+            run.baton.finish(ubatch_id)
 
 
 def _input_leaves(inputs: UBatchInputs) -> list[Any]:

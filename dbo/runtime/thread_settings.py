@@ -22,7 +22,6 @@ from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hook
 from dbo._torch_private import private  # torch has no public reader of the hooks and modes
 
 _AUTOCAST_TYPES = ("cpu", "cuda")
-_CPU = torch.device("cpu")
 _applied = threading.local()  # .num_threads: what this worker set; torch may report the
 # caller's count in a thread whose OpenMP pool was never sized
 
@@ -48,9 +47,8 @@ def capture() -> ThreadSettings:
         if torch.is_autocast_enabled(kind):  # cuda's only where CUDA runs: autocast refuses it
             dtype, cache = torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled()
             contexts.append(partial(torch.autocast, kind, dtype=dtype, cache_enabled=cache))
-    # torch.get_default_device() costs ~2 us; a default device is a torch-function mode.
-    device = _CPU if private.function_mode_depth() == 0 else torch.get_default_device()
-    if device != _CPU:
+    # A default device is a torch-function mode: with none on, there is no device to read.
+    if private.function_mode_depth() > 0 and (device := torch.get_default_device()).type != "cpu":
         contexts.append(lambda: device)  # a torch.device is a context manager
     if (hooks := private.top_saved_tensors_hooks(True)) is not None:
         contexts.append(partial(saved_tensors_hooks, *hooks))

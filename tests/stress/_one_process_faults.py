@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-import dbo.runtime.runner
+import dbo.runtime.exit
 
 MAX_DELAY_S = 1.0
 """The longest the caller may take to raise after the fault."""
@@ -231,7 +231,7 @@ def main() -> None:
     for case in cases:
         check(case, baseline)
     # What the exit would wait for (`dbo.wait_at_exit`): nothing may be left running.
-    assert not any(still_running(0) for still_running in dbo.runtime.runner._left_running)
+    assert not any(still_running(0) for still_running in dbo.runtime.exit._left_running)
     print(f"ok {len(cases)} cases {time.time()}", flush=True)
 
 

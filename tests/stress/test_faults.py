@@ -5,7 +5,7 @@ collective (its peers are late), in the forward or in a ubatch's backward. Every
 surviving rank raises within its watchdog's `timeout_s` + 2 s of the fault, and every
 process that raised ends by itself within 5 s, with its own status (1 for an uncaught
 error, death by SIGINT after Ctrl-C, never SIGABRT), and leaves no process behind. A
-stuck ubatch or collective ends the process after `dbo.runtime.runner.EXIT_WAIT_S`, unfinalized,
+stuck ubatch or collective ends the process after `dbo.runtime.exit.EXIT_WAIT_S`, unfinalized,
 saying so on stderr.
 
 The measured times are printed (`pytest -s`): they are the README's failure figures.
@@ -26,7 +26,7 @@ from _dist_world import RankRun, describe, run_ranks
 from _one_process_faults import Case, check, table
 from _stress import LONG
 
-import dbo.runtime.runner
+import dbo.runtime.exit
 
 RAISE_MARGIN_S = 2.0
 """A surviving rank raises within its timeout_s plus this, after the fault."""
@@ -80,11 +80,11 @@ def test_after_every_fault_the_interpreter_exits_at_once_with_status_zero() -> N
 _STUCK_AT_EXIT = """
 import os, signal, sys, threading, time
 import torch
-import dbo, dbo.runtime.runner
+import dbo, dbo.runtime.exit
 
 mode = sys.argv[1]
 signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
-dbo.runtime.runner.EXIT_WAIT_S = 30.0 if mode == "ctrl-c-again" else 1.0
+dbo.runtime.exit.EXIT_WAIT_S = 30.0 if mode == "ctrl-c-again" else 1.0
 stuck = lambda x: time.sleep(3600) if dbo.current_ubatch_id() == 0 else x
 try:
     dbo.overlap(stuck, timeout_s=0.2)(torch.zeros(2))
@@ -160,7 +160,7 @@ def _spec(fault: str, destroy: bool, phase: str = "forward") -> dict[str, Any]:
     timeout_s = 2.0 if fault == "stall" else 5.0
     return dict(
         fault=fault, faulty_rank=FAULTY_RANK, timeout_s=timeout_s, group_timeout_s=30.0,
-        sigint_after_s=0.3, peers_late_s=0.3 + 0.5 + dbo.runtime.runner.EXIT_WAIT_S + 2.0,
+        sigint_after_s=0.3, peers_late_s=0.3 + 0.5 + dbo.runtime.exit.EXIT_WAIT_S + 2.0,
         destroy=destroy, phase=phase,
     )
 

@@ -32,6 +32,30 @@ def test_importing_dbo_opens_no_fd_and_starts_no_thread() -> None:
     assert completed.stdout.strip() == "[]", completed.stdout
 
 
+_TORCH_CALLS_PROBE = """
+import torch
+from torch.overrides import TorchFunctionMode
+calls = []
+class Counting(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+with Counting():
+    import dbo, workspace
+print(calls)
+"""
+
+
+def test_importing_dbo_and_workspace_makes_no_tensor_and_calls_no_torch_function() -> None:
+    """No tensor, autograd graph or device object is made at import: what dbo learns from
+    torch (autograd's node types, the bindings' behaviour) it learns at first use."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _TORCH_CALLS_PROBE], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "[]", completed.stdout
+
+
 def test_dbo_imports_neither_workspace_nor_comm_nor_transformers() -> None:
     """The layering: workspace and comm build on dbo, never the reverse (no circle), and
     transformers is imported only once the user's code has."""

@@ -145,14 +145,14 @@ def test_close_while_a_run_is_setting_up_refuses_the_run(
     runner = dbo.UBatchRunner(num_ubatches=2)
     reached, gate = threading.Event(), threading.Event()
     outcome: list[object] = []
-    streams_device = runner_module._streams_device
+    backend_for = runner_module.backend_for
 
-    def blocking_streams_device(leaves: Any, device: Any) -> torch.device:
+    def blocking_backend_for(device: torch.device) -> Any:  # the first run's streams
         reached.set()
         gate.wait(timeout=10)
-        return streams_device(leaves, device)
+        return backend_for(device)
 
-    monkeypatch.setattr(runner_module, "_streams_device", blocking_streams_device)
+    monkeypatch.setattr(runner_module, "backend_for", blocking_backend_for)
 
     caller = _start_run_in_daemon(runner, outcome)
     hung = _close_mid_run(runner, caller, reached, gate, runner.threads, "its set-up")

@@ -15,6 +15,7 @@ import torch
 
 import dbo
 from dbo.device.backends import CpuBackend, CpuEvent, CpuStream
+from dbo.runtime import exit as interpreter_exit
 from dbo.runtime import runner as runner_module
 from dbo.runtime.runner import RunnerState, UBatchRunner
 
@@ -273,7 +274,7 @@ def test_the_exit_wait_keeps_only_runs_whose_ubatches_still_run(
 ) -> None:
     """Each run the watchdog gives up on is kept for the exit wait; once its ubatch has
     returned it is dropped (its wake-ups are file descriptors on Linux)."""
-    monkeypatch.setattr(runner_module, "_left_running", [])
+    monkeypatch.setattr(interpreter_exit, "_left_running", [])
 
     def fn(x: torch.Tensor) -> torch.Tensor:
         if dbo.current_ubatch_id() == 0:
@@ -285,4 +286,4 @@ def test_the_exit_wait_keeps_only_runs_whose_ubatches_still_run(
         with pytest.raises(dbo.OverlapTimeoutError):
             step(torch.zeros(2))
         time.sleep(0.5)  # the stuck ubatch returns
-    assert len(runner_module._left_running) == 1
+    assert len(interpreter_exit._left_running) == 1

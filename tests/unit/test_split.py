@@ -228,10 +228,8 @@ def test_tensor_only_calls_split_and_merge_like_the_general_path() -> None:
 
 def test_the_ubatch_count_is_capped_alike_everywhere() -> None:
     """A typo such as 2**31 must fail at once, not build that many threads or slots."""
-    from dbo._checks import MAX_NUM_UBATCHES, check_num_ubatches
-
-    assert check_num_ubatches(MAX_NUM_UBATCHES) == MAX_NUM_UBATCHES
-    too_many = MAX_NUM_UBATCHES + 1
+    assert dbo.check_num_ubatches(dbo.MAX_NUM_UBATCHES) == dbo.MAX_NUM_UBATCHES
+    too_many = dbo.MAX_NUM_UBATCHES + 1
     with pytest.raises(ValueError, match="num_ubatches"):
         dbo.UBatchRunner(too_many)
     with pytest.raises(ValueError, match="num_ubatches"):

@@ -35,18 +35,34 @@ def test_a_missing_binding_is_refused_naming_it_and_the_torch_release(
     assert f"does not exist in torch {torch.__version__}" in message, message
 
 
+def _load_with(monkeypatch: pytest.MonkeyPatch, name: str, binding: object) -> None:
+    """Load the bindings afresh, `name` resolving to `binding`."""
+    resolve = _torch_private._resolve
+
+    def resolved(each: str, module: str, attribute: str) -> object:
+        return binding if each == name else resolve(each, module, attribute)
+
+    monkeypatch.setattr(_torch_private, "_resolve", resolved)
+    _torch_private._Private().top_saved_tensors_hooks  # noqa: B018 - any first use loads all
+
+
 def test_a_binding_that_answers_otherwise_is_refused_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    resolve = _torch_private._resolve
-
-    def resolved(name: str, module: str, attribute: str) -> object:
-        return (lambda: 1) if name == "dispatch_mode_depth" else resolve(name, module, attribute)
-
-    monkeypatch.setattr(_torch_private, "_resolve", resolved)
     with pytest.raises(TorchBindingError, match=r"_len_torch_dispatch_stack \("
                        r"dispatch_mode_depth\), which behaves otherwise than dbo expects"):
-        _torch_private._Private().top_saved_tensors_hooks  # noqa: B018
+        _load_with(monkeypatch, "dispatch_mode_depth", lambda: 1)
+
+
+def test_a_binding_that_raises_in_the_check_is_refused_with_the_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def raising() -> int:
+        raise ZeroDivisionError("in the binding")
+
+    with pytest.raises(TorchBindingError, match=r"one of which behaves otherwise than dbo "
+                       r"expects \(ZeroDivisionError\('in the binding'\)\)"):
+        _load_with(monkeypatch, "function_mode_depth", raising)
 
 
 def _private_torch_names(path: Path) -> list[str]:
