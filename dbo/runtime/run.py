@@ -135,6 +135,15 @@ class OverlapRun:
         finally:
             self.backend.set_current_stream(previous_stream)
 
+    def join_caller_stream(self, best_effort: bool) -> None:
+        """After every ubatch has ended: order the caller's stream after the join events
+        of every ubatch's streams; `best_effort` after a failure (a failed capture's
+        streams raise on every use)."""
+        for events in self.join_events:
+            for event in events:
+                with contextlib.suppress(Exception) if best_effort else contextlib.nullcontext():
+                    self.backend.wait_event(self.caller_stream, event)
+
     def wait_for_every_ubatch(self, ubatch_id: int) -> None:
         """Order `ubatch_id`'s current stream after all that every ubatch has queued so far
         (an event recorded now on each of their streams). For work that touches what other

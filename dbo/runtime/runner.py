@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
 import sys
@@ -14,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from dbo._checks import check_num_ubatches, check_timeout, lock_timeout
 from dbo.device.backends import DeviceBackend, backend_for
@@ -24,8 +22,9 @@ from dbo.runtime import affinity, thread_settings
 from dbo.runtime.context import current_context
 from dbo.runtime.exit import wait_at_exit
 from dbo.runtime.run import OverlapRun, UBatchStreams
+from dbo.runtime.stream_device import streams_device
 from dbo.runtime.worker import UBatchJob, Worker, stop_workers
-from dbo.split.batch import UBatchInputs, checked_ubatch_inputs, flat_arguments
+from dbo.split.batch import UBatchInputs, checked_ubatch_inputs
 
 _ABORT_GRACE_S = 0.5
 """How long an aborted run's ubatches get to unwind before the runner is left broken."""
@@ -256,9 +255,7 @@ class UBatchRunner:
     def _new_run(self, inputs: UBatchInputs, device: torch.device | None) -> OverlapRun:
         """A run on this runner's streams for the device (see `run`), forked from the
         caller's current stream."""
-        device = self.device or device  # the runner's own, else the one for this run
-        if device is None or device.type == "cuda":
-            device = _streams_device(_input_leaves(inputs), device)
+        device = streams_device(inputs, self.device or device)  # the runner's own first
         if device not in self._streams:
             backend = backend_for(device)
             lease = held_streams.lease(backend, 2 * self.num_ubatches)
@@ -320,7 +317,7 @@ class UBatchRunner:
         run.baton.abort(reason, wake_all=True)
         if run.baton.wait_done(_ABORT_GRACE_S):
             run.drop_leftovers()
-            self._join_streams(run, best_effort=True)
+            run.join_caller_stream(best_effort=True)
             return
         baton = run.baton  # not the run: it holds the streams until it is freed
         wait_at_exit(lambda s: not baton.wait_done(s))
@@ -336,7 +333,7 @@ class UBatchRunner:
         failure = run.first_failure or next(
             ((ubatch_id, e) for ubatch_id, e in enumerate(errors) if e is not None), None
         )
-        self._join_streams(run, best_effort=failure is not None)
+        run.join_caller_stream(best_effort=failure is not None)
         if failure is None:
             run.backend.hand_over(results, run.caller_stream)
             return results
@@ -353,15 +350,6 @@ class UBatchRunner:
             raise error
         finally:
             del error
-
-    @staticmethod
-    def _join_streams(run: OverlapRun, best_effort: bool) -> None:
-        """Order the caller's stream after every ubatch's streams; `best_effort` after a
-        failure (a failed capture's streams raise on every use)."""
-        for events in run.join_events:
-            for event in events:
-                with contextlib.suppress(Exception) if best_effort else contextlib.nullcontext():
-                    run.backend.wait_event(run.caller_stream, event)
 
     def _wait(self, run: OverlapRun, timeout_s: float | None) -> None:
         """Wait for the run to end; with `timeout_s`, watch how long the holder holds."""
@@ -402,31 +390,3 @@ def _finish_revoked(run: OverlapRun, jobs: list[UBatchJob]) -> None:
     for ubatch_id, job in enumerate(jobs):
         if job.revoke() or job.revoked:
             run.baton.finish(ubatch_id)
-
-
-def _input_leaves(inputs: UBatchInputs) -> list[Any]:
-    """The leaves of `inputs`, in order; no tree walk for flat tensor and scalar arguments."""
-    flat = flat_arguments(inputs)
-    return flat if flat is not None else tree_leaves(inputs)
-
-
-def _streams_device(leaves: list[Any], device: torch.device | None) -> torch.device:
-    """`device`, else the first CUDA input's (a CPU scalar before the CUDA batch does not
-    pick the CPU), else CPU; a bare "cuda" is the calling thread's current device.
-    ValueError for a CUDA input on another device: its kernels would run on that device's
-    current stream, unordered with the ubatch streams."""
-    cuda_inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.is_cuda]
-    if device is None:
-        device = cuda_inputs[0].device if cuda_inputs else torch.device("cpu")
-    bare = device.type == "cuda" and device.index is None
-    if bare:
-        device = torch.device("cuda", torch.cuda.current_device())
-    for leaf in cuda_inputs:
-        if leaf.device != device:
-            named = " ('cuda' names the calling thread's current device)" if bare else ""
-            raise ValueError(
-                f"a ubatch input is on {leaf.device} but the ubatch streams are on "
-                f"{device}{named}; pass device='{leaf.device}', or call "
-                f"torch.cuda.set_device({leaf.device.index}) in this thread"
-            )
-    return device

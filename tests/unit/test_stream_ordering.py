@@ -23,6 +23,7 @@ from comm import collectives
 from dbo.device import cuda as device_module
 from dbo.device.backends import CpuBackend, CpuEvent, CpuStream
 from dbo.runtime import runner as runner_module
+from dbo.runtime import stream_device
 from dbo.runtime.context import current_context
 from dbo.runtime.runner import RunnerState
 
@@ -446,11 +447,11 @@ def test_the_device_check_walks_no_tree_for_flat_tensor_and_scalar_arguments(
     x, y = torch.zeros(1), torch.ones(1)
     flat = [((x, 3, None), {"scale": y}), ((y, 4, None), {"scale": x})]
     nested = [(([x], 3), {}), (([y], 4), {})]
-    tree_leaves, walks = runner_module.tree_leaves, []
-    monkeypatch.setattr(runner_module, "tree_leaves", lambda t: walks.append(t) or tree_leaves(t))
+    tree_leaves, walks = stream_device.tree_leaves, []
+    monkeypatch.setattr(stream_device, "tree_leaves", lambda t: walks.append(t) or tree_leaves(t))
     for inputs, walked in ((flat, []), (nested, [nested])):
         walks.clear()
-        leaves = runner_module._input_leaves(inputs)
+        leaves = stream_device._input_leaves(inputs)
         assert walks == walked
         assert list(map(id, leaves)) == list(map(id, tree_leaves(inputs)))
 
