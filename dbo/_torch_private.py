@@ -2,8 +2,10 @@
 
 torch has no public way to do what these do: read the current saved-tensor hooks and
 the mode stacks (to replay the caller's settings in a ubatch thread and clear what `fn`
-left behind), ask whether the running backward keeps its graph, open a profiler range
-that another call closes, and give back a failed CUDA graph capture's memory pool. Each
+left behind), ask whether the running backward keeps its graph, see a tensor's hooks
+(which an overlapped backward would run per ubatch), open a profiler range that another
+call closes, and give back a failed CUDA graph capture's memory pool. FSDP2's internals,
+which `dbo.fsdp` reads, are named there. Each
 is present in every torch release pyproject.toml declares (the test suite checks them on
 the torch it runs; released torch 2.11 and 2.13 are checked).
 
@@ -38,6 +40,8 @@ BINDINGS: dict[str, tuple[str, str]] = {
     "DisableTorchFunction": ("torch._C", "DisableTorchFunction"),
     "transform_on_stack": ("torch._C._functorch", "peek_interpreter_stack"),
     "backward_keeps_graph": ("torch._C._autograd", "_get_current_graph_task_keep_graph"),
+    "tensor_hooks": ("torch._C", "TensorBase._backward_hooks"),  # `register_hook`'s dict
+    "post_accumulate_grad_hooks": ("torch._C", "TensorBase._post_accumulate_grad_hooks"),
     "enter_profiler_range": ("torch", "ops.profiler._record_function_enter_new"),
     "exit_profiler_range": ("torch", "ops.profiler._record_function_exit._RecordFunction"),
     "profiler": ("torch.autograd", "profiler"),  # its `_is_profiler_enabled` flag
@@ -171,9 +175,17 @@ def _with_backward_and_profiler(p: Any) -> list[tuple[str, bool]]:
         out = leaf * 2
         out.register_hook(lambda grad: kept.append(p.backward_keeps_graph()))
         out.backward(retain_graph=retain)
+    hooked = torch.ones(1, requires_grad=True)
+    hooked.register_hook(torch.neg)
+    hooked.register_post_accumulate_grad_hook(torch.abs)
+    hooks = [p.tensor_hooks.__get__(tensor) for tensor in (torch.ones(1), hooked)]
+    after = [p.post_accumulate_grad_hooks.__get__(tensor) for tensor in (torch.ones(1), hooked)]
     profiler_flag = isinstance(p.profiler._is_profiler_enabled, bool)
     p.exit_profiler_range(p.enter_profiler_range("dbo/check", None))
-    return [("backward_keeps_graph", kept == [True, False]), ("profiler", profiler_flag)]
+    return [("backward_keeps_graph", kept == [True, False]), ("profiler", profiler_flag),
+            ("tensor_hooks", not hooks[0] and list(hooks[1].values()) == [torch.neg]),
+            ("post_accumulate_grad_hooks",
+             not after[0] and list(after[1].values()) == [torch.abs])]
 
 
 class _Private:

@@ -8,11 +8,12 @@ import inspect
 import time
 import types
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, TypeVar, overload
 
 import torch
 
-from dbo import tracing
+from dbo import fsdp, tracing
 from dbo._checks import check_num_ubatches, check_timeout
 from dbo._decide import decided_parts
 from dbo._torch_private import private
@@ -242,20 +243,24 @@ class Overlapped:
             (leaf.device for _, leaf in leaves if leaf.is_cuda), torch.device("cpu")
         )
         # A recomputation (checkpointing around the call) reruns the whole call.
-        backward = (
-            options.overlap_backward and torch.is_grad_enabled()
-            and not thread_settings.saved_tensors_hooks_active()
-        )
-        if backward:
+        grad = torch.is_grad_enabled() and not thread_settings.saved_tensors_hooks_active()
+        backward = options.overlap_backward and grad
+        # In a process that shards with FSDP2, overlap_backward=False runs the ubatches'
+        # backwards in turn through dbo's node: FSDP2 frees a unit's parameters after
+        # a backward through it, which the caller's backward would interleave.
+        sharded = fsdp.in_use()
+        in_turn = sharded and grad and not options.overlap_backward
+        if backward or in_turn:
             inputs, own, replaced = own_leaves(inputs)
-        with runner_pool.lease(options.num_ubatches, options.device) as runner:
+        units = fsdp.SharedUnits(options.num_ubatches) if sharded else nullcontext()
+        with units, runner_pool.lease(options.num_ubatches, options.device) as runner:
             outputs = runner.run(
                 self.dbo_target, inputs, timeout_s=options.timeout_s, device=run_device,
                 backward_per_ubatch=backward,
             )
-        if backward:
+        if backward or in_turn:
             run_backward = functools.partial(_run_backward, options, run_device)
-            outputs = attach(outputs, own, replaced, run_backward)
+            outputs = attach(outputs, own, replaced, run_backward, in_turn=in_turn)
         return (options.merge or default_merge)(outputs)
 
 

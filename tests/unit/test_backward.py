@@ -489,3 +489,45 @@ def test_a_parameter_used_before_the_call_and_inside_it_gets_close_gradients() -
     assert _bitwise(first, _grads(model, x, overlapped))  # the same bits every run
     want = _grads(model, x, with_offset(_in_turn))
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(first, want))
+
+
+def test_post_accumulate_grad_hooks_run_once_on_the_summed_gradient() -> None:
+    """An optimizer step in the backward (`register_post_accumulate_grad_hook`) steps each
+    parameter once, with the gradient the same ubatches in turn give it."""
+    def trained(step: Callable[..., Any]) -> tuple[list[torch.Tensor], list[int]]:
+        model, x = _Model(), _x()
+        calls = [0]
+
+        def sgd(parameter: torch.Tensor) -> None:
+            calls[0] += 1
+            with torch.no_grad():
+                parameter -= 0.1 * parameter.grad
+            parameter.grad = None
+
+        handles = [p.register_post_accumulate_grad_hook(sgd) for p in model.parameters()]
+        (step(model)(model.pre(x)) ** 2).sum().backward()
+        for handle in handles:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()], calls
+
+    got, got_calls = trained(lambda model: dbo.overlap(model.block, timeout_s=30))
+    want, want_calls = trained(lambda model: _in_turn(model.block))
+    assert got_calls == want_calls == [len(got)]
+    assert _bitwise(got, want)
+
+
+def test_a_tensor_hook_on_a_parameter_is_refused_naming_it_and_the_way_out() -> None:
+    """autograd runs a parameter's `register_hook` hook once, on the gradient summed over
+    the ubatches; each ubatch's backward would run it on its share first."""
+    model, x = _Model(), _x()
+    seen: list[torch.Tensor] = []
+    model.first.weight.register_hook(lambda grad: seen.append(grad))
+    out = dbo.overlap(model.block, timeout_s=30)(model.pre(x))
+    refused = r"torch.Size\(\[16, 8\]\).*register_hook.*overlap_backward=False"
+    with pytest.raises(ValueError, match=refused):
+        out.sum().backward()
+    assert seen == []
+    seen.clear()
+    model.zero_grad(set_to_none=True)
+    dbo.overlap(model.block, timeout_s=30, overlap_backward=False)(model.pre(x)).sum().backward()
+    assert len(seen) == 1 and model.first.weight.grad is not None

@@ -1,0 +1,232 @@
+"""Data-parallel wrappers around and inside an overlapped call, on gloo ranks: FSDP2
+(`fully_shard`, per block and at the root) and DDP, with blocks whose forward and
+backward exchange through `comm` (each a yield point inside an overlap).
+
+FSDP2: the forward equals the same wrapper on the ubatches in turn, for every
+`reshard_after_forward`, and gathers each unit once per overlapped forward; training
+with `overlap_backward=False` gives every parameter its gradient, allclose to in turn and
+the same bits on every run; the overlapped backward is refused by name. DDP, either way
+round and under `no_sync()`: the gradients of the same ubatches in turn."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _spawn import expect_ok, run_world, start_together
+
+import comm
+import dbo
+
+pytestmark = pytest.mark.distributed
+
+HIDDEN, ROWS = 16, 8
+
+
+class _SumInForward(torch.autograd.Function):
+    """The mean over the ranks (a yield point); the backward is the identity."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        total = x.clone()
+        comm.all_reduce(total)
+        return total / torch.distributed.get_world_size()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _SumInBackward(torch.autograd.Function):
+    """Identity; the backward takes the mean of the gradient over the ranks (a yield point)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        total = grad.clone()
+        comm.all_reduce(total)
+        return total / torch.distributed.get_world_size()
+
+
+class Block(torch.nn.Module):
+    """An exchange in the forward (`comm.all_reduce`) and one in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _SumInForward.apply(self.a(_SumInBackward.apply(x)))
+        return x + self.b(torch.tanh(y))
+
+
+def _model(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[Block() for _ in range(3)])
+
+
+def _sharded(reshard: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for block in model:
+        fully_shard(block, reshard_after_forward=reshard)
+    return fully_shard(model, reshard_after_forward=reshard)
+
+
+def _in_turn(model: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: torch.cat([model(part) for part in x.tensor_split(2)])
+
+
+def _x(rank: int, requires_grad: bool = False) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(ROWS, HIDDEN, generator=generator, requires_grad=requires_grad)
+
+
+def _grads(model: torch.nn.Module, step: Callable[..., Any], x: torch.Tensor,
+           calls: int = 1) -> list[torch.Tensor | None]:
+    """The gradients after `calls` steps' backwards (accumulated), x's first."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    for _ in range(calls):
+        (step(x) ** 2).sum().backward()
+    grads = [x.grad, *(p.grad for p in model.parameters())]
+    return [None if g is None else _local(g).clone() for g in grads]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _close(got: list[Any], want: list[Any]) -> bool:
+    return len(got) == len(want) and all(
+        a is not None and b is not None and torch.allclose(a, b, atol=1e-5)
+        for a, b in zip(got, want)
+    )
+
+
+def _gathers(step: Callable[[], Any]) -> int:
+    """How many all-gathers `step()` makes: FSDP2 gathers a unit's parameters with one
+    (`all_gather_single` from torch 2.13, `all_gather_into_tensor` before; one may call
+    the other, and is counted once)."""
+    dist = torch.distributed
+    names = [name for name in ("all_gather_single", "all_gather_into_tensor")
+             if hasattr(dist, name)]
+    originals = {name: getattr(dist, name) for name in names}
+    count, depth = [0], [0]
+
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def gather(*args: Any, **kwargs: Any) -> Any:
+            count[0] += depth[0] == 0
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return gather
+
+    for name, original in originals.items():
+        setattr(dist, name, counted(original))
+    try:
+        step()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return count[0]
+
+
+def _fsdp_checks() -> dict[str, Any]:
+    start_together()
+    rank, _, _ = comm.init_distributed(timeout_s=60)
+    found: dict[str, Any] = {}
+    for reshard in (True, False):
+        model, reference = _sharded(reshard), _sharded(reshard)
+        overlapped = dbo.overlap(model, timeout_s=60)
+        with torch.no_grad():
+            want = _in_turn(reference)(_x(rank))
+            found[f"{reshard} forward equal"] = torch.equal(overlapped(_x(rank)), want)
+            found[f"{reshard} gathers"] = _gathers(lambda: overlapped(_x(rank)))  # noqa: B023
+            found[f"{reshard} gathers in turn"] = _gathers(
+                lambda: _in_turn(reference)(_x(rank)))  # noqa: B023
+        want_grads = _grads(reference, _in_turn(reference), _x(rank, True), calls=2)
+        trains = dbo.overlap(model, timeout_s=60, overlap_backward=False)
+        got = _grads(model, trains, _x(rank, True), calls=2)
+        found[f"{reshard} grads close"] = _close(got, want_grads)
+        again = _grads(model, trains, _x(rank, True), calls=2)
+        found[f"{reshard} grads same bits"] = all(
+            torch.equal(a, b) for a, b in zip(got, again) if a is not None and b is not None)
+        try:
+            _grads(model, overlapped, _x(rank, True))
+            found[f"{reshard} overlapped backward"] = "ran"
+        except ValueError as error:
+            found[f"{reshard} overlapped backward"] = str(error)
+    return found
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_forward_equal_and_shared_training_refuses_or_matches_in_turn(
+    world_size: int,
+) -> None:
+    results = expect_ok(run_world(_fsdp_checks, world_size, timeout_s=240))
+    for rank, found in enumerate(results):
+        for reshard in (True, False):
+            assert found[f"{reshard} forward equal"], (rank, reshard)
+            # Three units, each gathered at most once per overlapped forward; in turn,
+            # resharding after forward gathers each once per ubatch.
+            assert found[f"{reshard} gathers"] <= 3, (rank, found)
+            in_turn = found[f"{reshard} gathers in turn"]
+            assert in_turn == (6 if reshard else found[f"{reshard} gathers"]), (rank, found)
+            assert found[f"{reshard} grads close"], (rank, reshard)
+            assert found[f"{reshard} grads same bits"], (rank, reshard)
+            refused = found[f"{reshard} overlapped backward"]
+            assert "fully_shard" in refused and "overlap_backward=False" in refused, refused
+
+
+class _Overlapping(torch.nn.Module):
+    """A module whose forward is its inner module's, overlapped."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.step = dbo.overlap(inner, timeout_s=60)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step(x)
+
+
+def _ddp_checks() -> dict[str, bool]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    start_together()
+    rank, _, _ = comm.init_distributed(timeout_s=60)
+    found = {}
+    reference = DDP(_model())
+    want = _grads(reference, _in_turn(reference), _x(rank, True))
+    wrapped_overlap = DDP(_Overlapping(_model()))
+    found["DDP(overlap)"] = _close(_grads(wrapped_overlap, wrapped_overlap, _x(rank, True)), want)
+    overlap_of_ddp = dbo.overlap(DDP(_model()), timeout_s=60)
+    got = _grads(overlap_of_ddp.dbo_target, overlap_of_ddp, _x(rank, True))
+    found["overlap(DDP)"] = _close(got, want)
+    # no_sync: the first call's gradients stay local, the second's are all-reduced.
+    model = DDP(_model())
+    step = dbo.overlap(model, timeout_s=60)
+    model.zero_grad(set_to_none=True)
+    x = _x(rank, True)
+    with model.no_sync():
+        (step(x) ** 2).sum().backward()
+    (step(x) ** 2).sum().backward()
+    found["no_sync"] = _close([p.grad for p in model.parameters()],
+                              [g * 2 for g in want[1:]])  # type: ignore[operator]
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_ddp_either_way_round_and_no_sync_give_the_in_turn_gradients() -> None:
+    for rank, found in enumerate(expect_ok(run_world(_ddp_checks, 2, timeout_s=240))):
+        assert found and all(found.values()), (rank, found)
