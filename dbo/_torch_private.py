@@ -2,7 +2,8 @@
 
 torch has no public way to do what these do: read the current saved-tensor hooks and
 the mode stacks (to replay the caller's settings in a ubatch thread and clear what `fn`
-left behind), ask whether the running backward keeps its graph, see a tensor's hooks
+left behind), ask whether the running backward keeps its graph, run a callback at its
+end, see a tensor's hooks
 (which an overlapped backward would run per ubatch), open a profiler range that another
 call closes, and give back a failed CUDA graph capture's memory pool. FSDP2's internals,
 which `dbo.fsdp` reads, are named there. Each
@@ -40,6 +41,7 @@ BINDINGS: dict[str, tuple[str, str]] = {
     "DisableTorchFunction": ("torch._C", "DisableTorchFunction"),
     "transform_on_stack": ("torch._C._functorch", "peek_interpreter_stack"),
     "backward_keeps_graph": ("torch._C._autograd", "_get_current_graph_task_keep_graph"),
+    "backward_engine": ("torch.autograd", "Variable._execution_engine"),  # its queue_callback
     "tensor_hooks": ("torch._C", "TensorBase._backward_hooks"),  # `register_hook`'s dict
     "post_accumulate_grad_hooks": ("torch._C", "TensorBase._post_accumulate_grad_hooks"),
     "enter_profiler_range": ("torch", "ops.profiler._record_function_enter_new"),
@@ -170,10 +172,14 @@ def _with_backward_and_profiler(p: Any) -> list[tuple[str, bool]]:
     """A backward says whether it keeps its graph; the profiler has its flag, and a range
     opens and closes."""
     kept: list[bool] = []
+    ended: list[str] = []
     for retain in (True, False):
         leaf = torch.ones(1, requires_grad=True)
         out = leaf * 2
         out.register_hook(lambda grad: kept.append(p.backward_keeps_graph()))
+        leaf.register_post_accumulate_grad_hook(lambda leaf: ended.append("leaf"))
+        out.register_hook(  # the callback runs after the leaf's accumulation, at the end
+            lambda grad: p.backward_engine.queue_callback(lambda: ended.append("end")))
         out.backward(retain_graph=retain)
     hooked = torch.ones(1, requires_grad=True)
     hooked.register_hook(torch.neg)
@@ -183,6 +189,7 @@ def _with_backward_and_profiler(p: Any) -> list[tuple[str, bool]]:
     profiler_flag = isinstance(p.profiler._is_profiler_enabled, bool)
     p.exit_profiler_range(p.enter_profiler_range("dbo/check", None))
     return [("backward_keeps_graph", kept == [True, False]), ("profiler", profiler_flag),
+            ("backward_engine", ended == ["leaf", "end"] * 2),
             ("tensor_hooks", not hooks[0] and list(hooks[1].values()) == [torch.neg]),
             ("post_accumulate_grad_hooks",
              not after[0] and list(after[1].values()) == [torch.abs])]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,8 @@ class _Plan:
     """Whether the backwards run in turn in the caller's thread (`attach`)."""
     reached: list[torch.Tensor] = field(default_factory=list)
     """In turn: the leaves the ubatches' backwards reach themselves."""
+    units: fsdp.SharedBackward | None = None
+    """The FSDP2 units the ubatches' graphs run, if any."""
     keep_ubatch_graphs: bool = False
     """Whether every ubatch's backward keeps the graph: when a leaf is reached both
     through a shared part and apart from it, each ubatch's backward runs the shared part
@@ -251,7 +254,7 @@ def _plan_graphs(plan: _Plan) -> None:
         met |= walked & nodes
         walked |= nodes
     if fsdp.in_use():
-        fsdp.refuse_overlapped_backward(walked)
+        plan.units = fsdp.SharedBackward([nodes for _, _, nodes in walks]) or None
     reentrant = _reentrant_checkpoint_type()
     if any(type(node) is reentrant for node in walked):
         raise ValueError(
@@ -359,8 +362,13 @@ class _UBatchesBackward(torch.autograd.Function):
             return (None, *_backwards_in_turn(plan, jobs), None)
         # Lists, emptied as they are summed: a leaf's gradients go once added, so at most
         # two copies of the parameters' gradients live, not three.
-        results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
+        with plan.units or nullcontext():
+            results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
         own_grads, leaf_grads, edge_grads = plan.summed(results)
+        if plan.units is not None:  # their gradients went to FSDP2's units (`dbo.fsdp`)
+            units = plan.units.leaves()
+            leaf_grads = [None if id(leaf) in units else grad
+                          for leaf, grad in zip(plan.leaves, leaf_grads)]
         plan.shared_part_backward(edge_grads, leaf_grads)
         return (None, *own_grads, *leaf_grads)
 

@@ -13,26 +13,40 @@ before) and `_state_ctx.iter_forward_root`, and each group's `post_forward_mesh_
 and `_training_state`. The last exit puts them back, so FSDP2's own post-hook then
 reshards as configured (True, or an int: to a smaller mesh).
 
-Backward: FSDP2 reduce-scatters a unit's gradients from an autograd node of its own
-(`RegisterPostBackwardFunction`), inside the backward that ran the unit, from the
-parameters' `.grad`. dbo's overlapped backward computes the ubatches' gradients with
-`torch.autograd.grad` and hands them to autograd after that node has run, so they would
-never reach the sharded parameters: `refuse_overlapped_backward` raises for such a graph,
-naming `overlap_backward=False`. In a process that shards with FSDP2, that option runs
-each ubatch's backward in turn in the caller's thread (`dbo.backward`'s `in_turn`), so
-that FSDP2 sees one backward through a unit at a time, as it expects.
+Backward: FSDP2 unshards a unit in a hook on its outputs' gradients, and reduce-scatters
+its parameters' `.grad` (then reshards) in an autograd node of its own on its inputs
+(`RegisterPostBackwardFunction`), once per forward through the unit. Each ubatch's
+backward (`torch.autograd.grad`, in its thread) reaches those nodes, while dbo's node
+hands the parameters' gradients to autograd only after every ubatch's. `SharedBackward`
+makes it one backward through each unit: the first ubatch's hook unshards (FSDP2 does
+not unshard twice); a hook on each unit parameter sums the ubatches' gradients as they
+come; a unit's post-backward nodes before its last are held back, and the last hands
+FSDP2 the summed `.grad`, so a unit is reduce-scattered once, as soon as every ubatch's
+backward has left it, while the others go on. FSDP2's end-of-backward callback, which
+a ubatch's backward would run at its own end, runs once, at the end of the caller's
+backward. Internals again: a group's `post_backward` (shadowed on the instance while the
+ubatches run), `fsdp_params` and `unsharded_param`, the node's `param_group`, the
+state context's `all_states` and `post_backward_final_callback_queued`, and the root's
+`_root_post_backward_final_callback`.
+
+In a process that shards with FSDP2, `overlap_backward=False` runs each ubatch's
+backward in turn through dbo's node (`dbo.backward`'s `in_turn`): the caller's own
+backward would interleave the ubatches' nodes, and FSDP2 would reshard a unit after
+one ubatch's backward through it while the other's still needs it.
 
 With FSDP2 not imported, or no module sharded, nothing here runs.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from dbo._torch_private import private
 from dbo.runtime.context import current_context
 
 _POST_BACKWARD_NODE = "RegisterPostBackwardFunctionBackward"
@@ -128,14 +142,87 @@ def _param_groups(state: Any) -> list[Any]:
     return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
-def refuse_overlapped_backward(nodes: Iterable[Any]) -> None:
-    """ValueError if the ubatches' graphs (their `nodes`) hold an FSDP2 unit."""
-    if any(node.name() == _POST_BACKWARD_NODE for node in nodes):
-        raise ValueError(
-            "fn runs a module sharded by FSDP2 (torch.distributed.fsdp.fully_shard), whose "
-            "gradients reach its sharded parameters only inside the backward that runs "
-            "its unit; dbo's overlapped backward hands the parameters' gradients to "
-            "autograd after the ubatches' backward, where FSDP2 would drop them. Pass "
-            "overlap_backward=False to dbo.overlap: the forward still overlaps, and each "
-            "ubatch's backward then runs in turn in the caller's thread, as FSDP2 expects"
-        )
+class SharedBackward:
+    """The FSDP2 units of one overlapped backward (see the module's docstring), from the
+    ubatches' graph nodes: `with shared:` around the ubatches' backwards; `leaves`: the
+    units' parameters, whose gradients reach FSDP2 here, not through dbo's node."""
+
+    def __init__(self, nodes_per_ubatch: Iterable[Iterable[Any]]) -> None:
+        self._expected: dict[Any, int] = {}
+        """Param group -> how many of its post-backward nodes the ubatches' graphs hold."""
+        for nodes in nodes_per_ubatch:
+            for node in nodes:
+                if node.name() == _POST_BACKWARD_NODE:
+                    group = node.param_group  # the node is its Function's ctx
+                    self._expected[group] = self._expected.get(group, 0) + 1
+        self._params = {
+            id(param.unsharded_param): (group, param.unsharded_param)
+            for group in self._expected for param in group.fsdp_params
+            if hasattr(param, "_unsharded_param")
+        }
+        self._summed: dict[int, torch.Tensor] = {}
+        """id(parameter) -> the sum of the ubatches' gradients so far."""
+        self._calls: dict[Any, int] = {}
+        """Param group -> how many of its post-backward nodes have run."""
+
+    def __bool__(self) -> bool:
+        return bool(self._expected)
+
+    def leaves(self) -> set[int]:
+        """`id()` of every unit parameter the ubatches' graphs may reach."""
+        return set(self._params)
+
+    def __enter__(self) -> SharedBackward:
+        self._summed.clear()  # a backward again (retain_graph=True) starts afresh
+        self._calls.clear()
+        group = next(iter(self._expected))
+        self._context = group.modules[0]._get_fsdp_state()._state_ctx
+        # FSDP2's end-of-backward work runs once, after the ubatches (`__exit__`).
+        self._queued = self._context.post_backward_final_callback_queued
+        self._context.post_backward_final_callback_queued = True
+        self._hooks = [param.register_hook(functools.partial(self._capture, key))
+                       for key, (_, param) in self._params.items()]
+        for group in self._expected:
+            group.post_backward = functools.partial(self._post_backward, group)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        for group in self._expected:
+            del group.post_backward  # FSDP2's own method again
+        if exc[0] is not None:  # the backward fails: FSDP2's own end-of-backward does not run
+            self._context.post_backward_final_callback_queued = self._queued
+            return
+        for group in self._expected:
+            if self._calls.get(group, 0) < self._expected[group]:
+                self._release(group)  # a unit some ubatch's backward did not reach
+        if not self._queued:
+            root = next(state for state in self._context.all_states if state._is_root)
+            private.backward_engine.queue_callback(root._root_post_backward_final_callback)
+
+    def _capture(self, key: int, grad: torch.Tensor) -> torch.Tensor:
+        """A ubatch's gradient for a unit parameter: summed here; what its backward
+        returns for it is a zero of no memory."""
+        total = self._summed.get(key)
+        self._summed[key] = grad if total is None else total + grad
+        return grad.new_zeros(()).expand_as(grad)
+
+    def _post_backward(self, group: Any, *unused: Any) -> None:
+        """A ubatch's backward has left the unit; the last one hands FSDP2 the sum."""
+        calls = self._calls.get(group, 0) + 1
+        self._calls[group] = calls
+        if calls == self._expected[group]:
+            self._release(group)
+
+    def _release(self, group: Any) -> None:
+        """The unit's summed gradients to its parameters' `.grad` (added, as autograd
+        accumulates), then FSDP2's post-backward: one reduce-scatter, the reshard."""
+        for key, (owner, param) in self._params.items():
+            grad = self._summed.pop(key, None) if owner is group else None
+            if grad is not None:
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+        type(group).post_backward(group)

@@ -3,10 +3,12 @@
 backward exchange through `comm` (each a yield point inside an overlap).
 
 FSDP2: the forward equals the same wrapper on the ubatches in turn, for every
-`reshard_after_forward`, and gathers each unit once per overlapped forward; training
-with `overlap_backward=False` gives every parameter its gradient, allclose to in turn and
-the same bits on every run; the overlapped backward is refused by name. DDP, either way
-round and under `no_sync()`: the gradients of the same ubatches in turn."""
+`reshard_after_forward`, and gathers each unit once per overlapped forward; the
+overlapped backward (each ubatch's in its thread) reduce-scatters each unit once, and
+gives every parameter its gradient, allclose to in turn and the same bits on every run,
+as `overlap_backward=False` does; so does gradient accumulation with
+`set_requires_gradient_sync(False)`. DDP, either way round and under `no_sync()`: the
+gradients of the same ubatches in turn."""
 
 from __future__ import annotations
 
@@ -110,25 +112,28 @@ def _close(got: list[Any], want: list[Any]) -> bool:
     )
 
 
-def _gathers(step: Callable[[], Any]) -> int:
-    """How many all-gathers `step()` makes: FSDP2 gathers a unit's parameters with one
-    (`all_gather_single` from torch 2.13, `all_gather_into_tensor` before; one may call
-    the other, and is counted once)."""
+GATHERS = ("all_gather_single", "all_gather_into_tensor")
+"""FSDP2 gathers a unit's parameters with one (torch 2.13's name, then 2.11's)."""
+REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+"""FSDP2 reduces a unit's gradients with one."""
+
+
+def _count(names: tuple[str, ...], step: Callable[[], Any]) -> int:
+    """How many of the `torch.distributed` collectives `names` `step()` makes (one that
+    calls another is counted once)."""
     dist = torch.distributed
-    names = [name for name in ("all_gather_single", "all_gather_into_tensor")
-             if hasattr(dist, name)]
-    originals = {name: getattr(dist, name) for name in names}
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
     count, depth = [0], [0]
 
     def counted(original: Callable[..., Any]) -> Callable[..., Any]:
-        def gather(*args: Any, **kwargs: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
             count[0] += depth[0] == 0
             depth[0] += 1
             try:
                 return original(*args, **kwargs)
             finally:
                 depth[0] -= 1
-        return gather
+        return collective
 
     for name, original in originals.items():
         setattr(dist, name, counted(original))
@@ -146,35 +151,48 @@ def _fsdp_checks() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for reshard in (True, False):
         model, reference = _sharded(reshard), _sharded(reshard)
-        overlapped = dbo.overlap(model, timeout_s=60)
+        step, in_turn = dbo.overlap(model, timeout_s=60), _in_turn(reference)
         with torch.no_grad():
-            want = _in_turn(reference)(_x(rank))
-            found[f"{reshard} forward equal"] = torch.equal(overlapped(_x(rank)), want)
-            found[f"{reshard} gathers"] = _gathers(lambda: overlapped(_x(rank)))  # noqa: B023
-            found[f"{reshard} gathers in turn"] = _gathers(
-                lambda: _in_turn(reference)(_x(rank)))  # noqa: B023
-        want_grads = _grads(reference, _in_turn(reference), _x(rank, True), calls=2)
-        trains = dbo.overlap(model, timeout_s=60, overlap_backward=False)
-        got = _grads(model, trains, _x(rank, True), calls=2)
-        found[f"{reshard} grads close"] = _close(got, want_grads)
-        again = _grads(model, trains, _x(rank, True), calls=2)
-        found[f"{reshard} grads same bits"] = all(
-            torch.equal(a, b) for a, b in zip(got, again) if a is not None and b is not None)
-        try:
-            _grads(model, overlapped, _x(rank, True))
-            found[f"{reshard} overlapped backward"] = "ran"
-        except ValueError as error:
-            found[f"{reshard} overlapped backward"] = str(error)
+            found[f"{reshard} forward equal"] = torch.equal(step(_x(rank)), in_turn(_x(rank)))
+            found[f"{reshard} gathers"] = _count(GATHERS, lambda: step(_x(rank)))  # noqa: B023
+            found[f"{reshard} gathers in turn"] = _count(
+                GATHERS, lambda: in_turn(_x(rank)))  # noqa: B023
+        want = _grads(reference, in_turn, _x(rank, True), calls=2)
+        for name, trains in (("overlapped", step), ("in turn", dbo.overlap(
+                model, timeout_s=60, overlap_backward=False))):
+            got = _grads(model, trains, _x(rank, True), calls=2)
+            again = _grads(model, trains, _x(rank, True), calls=2)
+            found[f"{reshard} {name} grads close"] = _close(got, want)
+            found[f"{reshard} {name} grads same bits"] = all(
+                torch.equal(a, b) for a, b in zip(got, again))  # type: ignore[arg-type]
+        loss = (step(_x(rank, True)) ** 2).sum()
+        with dbo.trace() as timeline:
+            found[f"{reshard} reduce-scatters"] = _count(REDUCE_SCATTERS, loss.backward)
+        found[f"{reshard} backward waits"] = {
+            ubatch: total.waits for ubatch, total in timeline.totals().items()}
+        loss = (in_turn(_x(rank, True)) ** 2).sum()
+        found[f"{reshard} reduce-scatters in turn"] = _count(REDUCE_SCATTERS, loss.backward)
+    # Gradient accumulation without a reduction on the first micro-step.
+    model, reference = _sharded(True), _sharded(True)
+    accumulated = []
+    for wrapped, trains in ((reference, _in_turn(reference)), (model, dbo.overlap(model))):
+        wrapped.zero_grad(set_to_none=True)
+        for sync in (False, True):
+            wrapped.set_requires_gradient_sync(sync)  # type: ignore[operator]
+            (trains(_x(rank, True)) ** 2).sum().backward()
+        accumulated.append([_local(p.grad) for p in wrapped.parameters()])
+    found["no gradient sync, then sync"] = _close(*accumulated)
     return found
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_fsdp2_forward_equal_and_shared_training_refuses_or_matches_in_turn(
+def test_fsdp2_shares_each_units_gather_and_reduce_and_trains_as_in_turn(
     world_size: int,
 ) -> None:
     results = expect_ok(run_world(_fsdp_checks, world_size, timeout_s=240))
     for rank, found in enumerate(results):
+        assert found.pop("no gradient sync, then sync"), rank
         for reshard in (True, False):
             assert found[f"{reshard} forward equal"], (rank, reshard)
             # Three units, each gathered at most once per overlapped forward; in turn,
@@ -182,10 +200,16 @@ def test_fsdp2_forward_equal_and_shared_training_refuses_or_matches_in_turn(
             assert found[f"{reshard} gathers"] <= 3, (rank, found)
             in_turn = found[f"{reshard} gathers in turn"]
             assert in_turn == (6 if reshard else found[f"{reshard} gathers"]), (rank, found)
-            assert found[f"{reshard} grads close"], (rank, reshard)
-            assert found[f"{reshard} grads same bits"], (rank, reshard)
-            refused = found[f"{reshard} overlapped backward"]
-            assert "fully_shard" in refused and "overlap_backward=False" in refused, refused
+            for name in ("overlapped", "in turn"):
+                assert found[f"{reshard} {name} grads close"], (rank, reshard, name)
+                assert found[f"{reshard} {name} grads same bits"], (rank, reshard, name)
+            # One reduce-scatter per unit per backward, as the wrapper in turn makes.
+            assert found[f"{reshard} reduce-scatters"] == 3, (rank, found)
+            assert found[f"{reshard} reduce-scatters in turn"] == 3, (rank, found)
+            # Each ubatch's backward waited at its own exchanges; the caller at none.
+            waits = found[f"{reshard} backward waits"]
+            assert waits.get(0, 0) >= 3 and waits.get(1, 0) >= 3, waits
+            assert waits.get(dbo.tracing.CALLER, 0) == 0, waits
 
 
 class _Overlapping(torch.nn.Module):
