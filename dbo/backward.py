@@ -130,10 +130,10 @@ class _Plan:
     region_at: list[int] = field(default_factory=list)
     in_turn: bool = False
     """Whether the backwards run in turn in the caller's thread (`attach`)."""
-    reached: list[torch.Tensor] = field(default_factory=list)
-    """In turn: the leaves the ubatches' backwards reach themselves."""
+    fsdp_units: Sequence[Any] = ()
+    """The FSDP2 units the ubatches' forwards ran (`attach`)."""
     units: fsdp.SharedBackward | None = None
-    """The FSDP2 units the ubatches' graphs run, if any."""
+    """Their backward, shared by the ubatches (`dbo.fsdp`)."""
     keep_ubatch_graphs: bool = False
     """Whether every ubatch's backward keeps the graph: when a leaf is reached both
     through a shared part and apart from it, each ubatch's backward runs the shared part
@@ -204,14 +204,14 @@ def _add(sums: list[Any], k: int, grad: torch.Tensor | None) -> None:
 
 def attach(
     outputs: list[Any], own: list[list[torch.Tensor]], replaced: list[list[torch.Tensor]],
-    run_ubatches: RunUBatches, in_turn: bool = False,
+    run_ubatches: RunUBatches, in_turn: bool = False, fsdp_units: Sequence[Any] = (),
 ) -> list[Any]:
     """The ubatches' outputs, each tensor that requires grad replaced by an alias whose
     gradient runs the ubatches' backward through `run_ubatches`; `outputs` as they are
     when none requires grad. `own[i]`: ubatch i's leaves from `own_leaves`, `replaced[i]`
     the tensors they replaced. `in_turn`: the ubatches' backwards run one after the
-    other in the caller's thread instead, each accumulating into the leaves it reaches
-    as a backward of its own would (FSDP2's units reduce their gradients from there)."""
+    other in the caller's thread instead. `fsdp_units`: the FSDP2 units the forwards
+    ran, whose backward the ubatches share (`dbo.fsdp.SharedBackward`)."""
     flat = [  # a plain tensor output (the usual case): no tree walk
         ([output], None) if type(output) is torch.Tensor else flatten(output)
         for output in outputs
@@ -222,14 +222,9 @@ def attach(
     ]
     if not any(ubatch.outputs for ubatch in ubatches):
         return outputs
-    plan = _Plan(run_ubatches, ubatches, in_turn=in_turn)
+    plan = _Plan(run_ubatches, ubatches, in_turn=in_turn, fsdp_units=fsdp_units)
     inputs = [tensor for tensors in replaced for tensor in tensors]
-    if in_turn:  # the parameters are reached by the backwards themselves, not the node
-        plan.reached = [leaf for ubatch in ubatches
-                        for leaf in _walk(_starts(ubatch.outputs), ubatch.own, frozenset())[0]]
-        plan.leaves = [torch.empty(0, requires_grad=True)]  # so that the node has a backward
-    else:
-        _plan_graphs(plan)
+    _plan_graphs(plan)
     aliases = iter(_UBatchesBackward.apply(plan, *inputs, *plan.leaves))
     merged = []
     for leaves, spec in flat:
@@ -253,8 +248,8 @@ def _plan_graphs(plan: _Plan) -> None:
     for _, _, nodes in walks:
         met |= walked & nodes
         walked |= nodes
-    if fsdp.in_use():
-        plan.units = fsdp.SharedBackward([nodes for _, _, nodes in walks]) or None
+    if plan.fsdp_units:
+        plan.units = fsdp.SharedBackward(plan.fsdp_units, [leaves for leaves, _, _ in walks])
     reentrant = _reentrant_checkpoint_type()
     if any(type(node) is reentrant for node in walked):
         raise ValueError(
@@ -353,17 +348,18 @@ class _UBatchesBackward(torch.autograd.Function):
                 "a gradient penalty) is not supported there. Pass overlap_backward=False "
                 "to dbo.overlap: the backward then runs whole in the caller's thread"
             )
-        _refuse_hooks(plan.reached if plan.in_turn else plan.leaves, plan.in_turn)
+        _refuse_hooks(plan.leaves)
         keep_graph = bool(private.backward_keeps_graph())  # the caller's retain_graph
         if not keep_graph:
             ctx.plan = None  # the ubatches' graphs go with their backward, as autograd's do
         jobs = plan.jobs(grads, keep_graph or plan.keep_ubatch_graphs)
-        if plan.in_turn:
-            return (None, *_backwards_in_turn(plan, jobs), None)
         # Lists, emptied as they are summed: a leaf's gradients go once added, so at most
         # two copies of the parameters' gradients live, not three.
         with plan.units or nullcontext():
-            results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
+            if plan.in_turn:
+                results = [list(_ubatch_backward(*args)) for args, _ in jobs]
+            else:
+                results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
         own_grads, leaf_grads, edge_grads = plan.summed(results)
         if plan.units is not None:  # their gradients went to FSDP2's units (`dbo.fsdp`)
             units = plan.units.leaves()
@@ -373,45 +369,16 @@ class _UBatchesBackward(torch.autograd.Function):
         return (None, *own_grads, *leaf_grads)
 
 
-def _backwards_in_turn(plan: _Plan, jobs: UBatchInputs) -> list[torch.Tensor | None]:
-    """Each ubatch's backward in turn in this thread, accumulating into every leaf it
-    reaches; the gradients of the ubatches' own leaves, taken from them."""
-    for (roots, _, keep_graph), _ in jobs:
-        if roots:
-            outputs, grads = zip(*roots)
-            torch.autograd.backward(outputs, grads, retain_graph=keep_graph)
-    own_grads = []
-    for ubatch in plan.ubatches:
-        for leaf in ubatch.own:
-            own_grads.append(leaf.grad)
-            leaf.grad = None
-    return own_grads
-
-
-def _refuse_hooks(leaves: list[torch.Tensor], in_turn: bool) -> None:
-    """autograd runs a leaf's `register_hook` hooks, and its post-accumulate-grad hooks,
-    once, on the gradient summed over the ubatches. Each ubatch's overlapped backward
-    would run the first on its share; backwards in turn would run both once per ubatch."""
-    kinds = [("register_hook", private.tensor_hooks)]
-    if in_turn:
-        kinds.append(("register_post_accumulate_grad_hook", private.post_accumulate_grad_hooks))
+def _refuse_hooks(leaves: list[torch.Tensor]) -> None:
+    """autograd runs a leaf's `register_hook` hooks once, on the gradient summed over the
+    ubatches; each ubatch's backward would run them on its share first."""
     for leaf in leaves:
-        for name, hooks in kinds:
-            if not hooks.__get__(leaf):
-                continue
-            if in_turn:
-                raise ValueError(
-                    f"a tensor of shape {leaf.shape} that fn's graph reaches (a parameter) "
-                    f"has a hook (Tensor.{name}), which autograd runs once per backward; in "
-                    "a process that shards with FSDP2, overlap_backward=False runs each "
-                    "ubatch's backward in turn, which would run it once per ubatch. Train "
-                    "this model without dbo.overlap, or move the hook out of the backward"
-                )
+        if private.tensor_hooks.__get__(leaf):
             raise ValueError(
                 f"a tensor of shape {leaf.shape} that fn's graph reaches (a parameter) has a "
-                f"hook (Tensor.{name}), which autograd runs once on the gradient summed "
-                "over the ubatches; each ubatch's backward would run it on its share as "
-                "well. Pass overlap_backward=False to dbo.overlap (the backward then runs "
+                "hook (Tensor.register_hook), which autograd runs once on the gradient "
+                "summed over the ubatches; each ubatch's backward would run it on its share "
+                "as well. Pass overlap_backward=False to dbo.overlap (the backward then runs "
                 "whole in the caller's thread), or use register_post_accumulate_grad_hook, "
                 "which runs once"
             )

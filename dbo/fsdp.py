@@ -75,6 +75,8 @@ class SharedUnits:
         """Unit -> how many ubatches have left it."""
         self._held: dict[torch.nn.Module, _Held] = {}
         """Unit -> what its first exit held back, until its last."""
+        self.units: list[torch.nn.Module] = []
+        """The units the ubatches ran, in the order they first left them."""
 
     def __enter__(self) -> SharedUnits:
         self._hook = torch.nn.modules.module.register_module_forward_hook(self._leave)
@@ -96,6 +98,8 @@ class SharedUnits:
             return
         left = self._left.get(module, 0) + 1
         self._left[module] = left
+        if left == 1:
+            self.units.append(module)
         if left == 1 and left < self._num_ubatches:
             self._held[module] = _Held(module)
         elif left == self._num_ubatches and module in self._held:
@@ -143,77 +147,74 @@ def _param_groups(state: Any) -> list[Any]:
 
 
 class SharedBackward:
-    """The FSDP2 units of one overlapped backward (see the module's docstring), from the
-    ubatches' graph nodes: `with shared:` around the ubatches' backwards; `leaves`: the
-    units' parameters, whose gradients reach FSDP2 here, not through dbo's node."""
+    """The backward of the FSDP2 `units` one overlapped forward ran, shared by its
+    ubatches (see the module's docstring): `with shared:` around the ubatches'
+    backwards. `leaves_per_ubatch`: the leaves each ubatch's graph reaches; `leaves()`:
+    the units' parameters among them, whose gradients reach FSDP2 here, not through
+    dbo's node."""
 
-    def __init__(self, nodes_per_ubatch: Iterable[Iterable[Any]]) -> None:
-        self._expected: dict[Any, int] = {}
-        """Param group -> how many of its post-backward nodes the ubatches' graphs hold."""
-        for nodes in nodes_per_ubatch:
-            for node in nodes:
-                if node.name() == _POST_BACKWARD_NODE:
-                    group = node.param_group  # the node is its Function's ctx
-                    self._expected[group] = self._expected.get(group, 0) + 1
+    def __init__(self, units: Iterable[Any], leaves_per_ubatch: Iterable[Iterable[Any]]) -> None:
+        states = [unit._get_fsdp_state() for unit in units]
+        self._context = states[0]._state_ctx
+        self._groups = list(dict.fromkeys(g for state in states for g in _param_groups(state)))
         self._params = {
             id(param.unsharded_param): (group, param.unsharded_param)
-            for group in self._expected for param in group.fsdp_params
+            for group in self._groups for param in group.fsdp_params
             if hasattr(param, "_unsharded_param")
         }
+        self._expected: dict[Any, int] = dict.fromkeys(self._groups, 0)
+        """Param group -> how many gradients of its parameters the ubatches' backwards
+        give (one per parameter per ubatch whose graph reaches it)."""
+        for leaves in leaves_per_ubatch:
+            for leaf in leaves:
+                if id(leaf) in self._params:
+                    self._expected[self._params[id(leaf)][0]] += 1
         self._summed: dict[int, torch.Tensor] = {}
         """id(parameter) -> the sum of the ubatches' gradients so far."""
-        self._calls: dict[Any, int] = {}
-        """Param group -> how many of its post-backward nodes have run."""
-
-    def __bool__(self) -> bool:
-        return bool(self._expected)
+        self._given: dict[Any, int] = {}
+        """Param group -> how many of its gradients have come."""
 
     def leaves(self) -> set[int]:
-        """`id()` of every unit parameter the ubatches' graphs may reach."""
+        """`id()` of every unit parameter."""
         return set(self._params)
 
     def __enter__(self) -> SharedBackward:
         self._summed.clear()  # a backward again (retain_graph=True) starts afresh
-        self._calls.clear()
-        group = next(iter(self._expected))
-        self._context = group.modules[0]._get_fsdp_state()._state_ctx
+        self._given = dict.fromkeys(self._groups, 0)
         # FSDP2's end-of-backward work runs once, after the ubatches (`__exit__`).
         self._queued = self._context.post_backward_final_callback_queued
         self._context.post_backward_final_callback_queued = True
         self._hooks = [param.register_hook(functools.partial(self._capture, key))
                        for key, (_, param) in self._params.items()]
-        for group in self._expected:
-            group.post_backward = functools.partial(self._post_backward, group)
+        for group in self._groups:  # the units' post-backward nodes: released here instead
+            group.post_backward = _not_yet
         return self
 
     def __exit__(self, *exc: object) -> None:
         for hook in self._hooks:
             hook.remove()
-        for group in self._expected:
+        for group in self._groups:
             del group.post_backward  # FSDP2's own method again
         if exc[0] is not None:  # the backward fails: FSDP2's own end-of-backward does not run
             self._context.post_backward_final_callback_queued = self._queued
             return
-        for group in self._expected:
-            if self._calls.get(group, 0) < self._expected[group]:
-                self._release(group)  # a unit some ubatch's backward did not reach
+        for group in self._groups:
+            if self._given[group] < self._expected[group] or not self._expected[group]:
+                self._release(group)  # gradients that did not come, or a unit not reached
         if not self._queued:
             root = next(state for state in self._context.all_states if state._is_root)
             private.backward_engine.queue_callback(root._root_post_backward_final_callback)
 
     def _capture(self, key: int, grad: torch.Tensor) -> torch.Tensor:
-        """A ubatch's gradient for a unit parameter: summed here; what its backward
-        returns for it is a zero of no memory."""
+        """A ubatch's gradient for a unit parameter, summed here (what its backward
+        returns for it is a zero of no memory); the unit's last one releases it."""
         total = self._summed.get(key)
         self._summed[key] = grad if total is None else total + grad
-        return grad.new_zeros(()).expand_as(grad)
-
-    def _post_backward(self, group: Any, *unused: Any) -> None:
-        """A ubatch's backward has left the unit; the last one hands FSDP2 the sum."""
-        calls = self._calls.get(group, 0) + 1
-        self._calls[group] = calls
-        if calls == self._expected[group]:
+        group = self._params[key][0]
+        self._given[group] += 1
+        if self._given[group] == self._expected[group]:
             self._release(group)
+        return grad.new_zeros(()).expand_as(grad)
 
     def _release(self, group: Any) -> None:
         """The unit's summed gradients to its parameters' `.grad` (added, as autograd
@@ -226,3 +227,8 @@ class SharedBackward:
                 else:
                     param.grad += grad
         type(group).post_backward(group)
+
+
+def _not_yet(*unused: Any) -> None:
+    """A unit's post-backward node, while the ubatches' backwards run: `SharedBackward`
+    releases the unit when every gradient of it has come, instead."""

@@ -245,22 +245,25 @@ class Overlapped:
         # A recomputation (checkpointing around the call) reruns the whole call.
         grad = torch.is_grad_enabled() and not thread_settings.saved_tensors_hooks_active()
         backward = options.overlap_backward and grad
-        # In a process that shards with FSDP2, overlap_backward=False runs the ubatches'
-        # backwards in turn through dbo's node: FSDP2 frees a unit's parameters after
-        # a backward through it, which the caller's backward would interleave.
+        # The FSDP2 units the forward runs share their backward (`dbo.fsdp`). In a process
+        # that shards with FSDP2, overlap_backward=False runs the ubatches' backwards in
+        # turn in the caller's thread: the caller's own backward would interleave the
+        # ubatches' nodes inside a unit.
         sharded = fsdp.in_use()
-        in_turn = sharded and grad and not options.overlap_backward
-        if backward or in_turn:
+        if backward or (sharded and grad):
             inputs, own, replaced = own_leaves(inputs)
-        units = fsdp.SharedUnits(options.num_ubatches) if sharded else nullcontext()
-        with units, runner_pool.lease(options.num_ubatches, options.device) as runner:
+        units = fsdp.SharedUnits(options.num_ubatches) if sharded else None
+        with units or nullcontext(), runner_pool.lease(
+            options.num_ubatches, options.device
+        ) as runner:
             outputs = runner.run(
                 self.dbo_target, inputs, timeout_s=options.timeout_s, device=run_device,
                 backward_per_ubatch=backward,
             )
-        if backward or in_turn:
+        if backward or (sharded and grad):
             run_backward = functools.partial(_run_backward, options, run_device)
-            outputs = attach(outputs, own, replaced, run_backward, in_turn=in_turn)
+            outputs = attach(outputs, own, replaced, run_backward, in_turn=not backward,
+                             fsdp_units=units.units if units is not None else ())
         return (options.merge or default_merge)(outputs)
 
 
