@@ -14,25 +14,26 @@ and `_training_state`. The last exit puts them back, so FSDP2's own post-hook th
 reshards as configured (True, or an int: to a smaller mesh).
 
 Backward: FSDP2 unshards a unit in a hook on its outputs' gradients, and reduce-scatters
-its parameters' `.grad` (then reshards) in an autograd node of its own on its inputs
-(`RegisterPostBackwardFunction`), once per forward through the unit. Each ubatch's
-backward (`torch.autograd.grad`, in its thread) reaches those nodes, while dbo's node
-hands the parameters' gradients to autograd only after every ubatch's. `SharedBackward`
-makes it one backward through each unit: the first ubatch's hook unshards (FSDP2 does
-not unshard twice); a hook on each unit parameter sums the ubatches' gradients as they
-come; a unit's post-backward nodes before its last are held back, and the last hands
-FSDP2 the summed `.grad`, so a unit is reduce-scattered once, as soon as every ubatch's
-backward has left it, while the others go on. FSDP2's end-of-backward callback, which
-a ubatch's backward would run at its own end, runs once, at the end of the caller's
-backward. Internals again: a group's `post_backward` (shadowed on the instance while the
-ubatches run), `fsdp_params` and `unsharded_param`, the node's `param_group`, the
-state context's `all_states` and `post_backward_final_callback_queued`, and the root's
-`_root_post_backward_final_callback`.
+its parameters' `.grad` (then reshards) in an autograd node on its inputs
+(`RegisterPostBackwardFunction`), which only the first ubatch into a unit gets when
+another is inside it. Each ubatch's backward (`torch.autograd.grad`, in its thread)
+captures the parameters' gradients, and dbo's node would hand them to autograd only
+after every ubatch's. `SharedBackward` makes one backward through each unit of the
+units the forward ran (`SharedUnits.units`): the first ubatch's hook unshards (FSDP2
+does not unshard twice); FSDP2's post-backward nodes do nothing while the ubatches run;
+a hook on each unit parameter sums the ubatches' gradients as they come, and when the
+last gradient a unit expects has come (one per parameter per ubatch whose graph reaches
+it) it hands FSDP2 the sums as `.grad` and runs its post-backward: one reduce-scatter
+per unit, as soon as every ubatch's backward has left it, while the other units'
+backwards go on. FSDP2's end-of-backward callback, which a ubatch's backward would run
+at its own end, runs once, at the end of the caller's backward. Internals again: a
+group's `post_backward` (shadowed on the instance while the ubatches run),
+`fsdp_params` and `unsharded_param`, the state context's `all_states` and
+`post_backward_final_callback_queued`, and the root's `_root_post_backward_final_callback`.
 
-In a process that shards with FSDP2, `overlap_backward=False` runs each ubatch's
-backward in turn through dbo's node (`dbo.backward`'s `in_turn`): the caller's own
-backward would interleave the ubatches' nodes, and FSDP2 would reshard a unit after
-one ubatch's backward through it while the other's still needs it.
+In a process that shards with FSDP2, `overlap_backward=False` runs the ubatches'
+backwards in turn in the caller's thread through dbo's node, sharing the units the same
+way: the caller's own backward would interleave the ubatches' nodes inside a unit.
 
 With FSDP2 not imported, or no module sharded, nothing here runs.
 """
@@ -48,9 +49,6 @@ import torch
 
 from dbo._torch_private import private
 from dbo.runtime.context import current_context
-
-_POST_BACKWARD_NODE = "RegisterPostBackwardFunctionBackward"
-"""The name of FSDP2's post-backward node (`Node.name()`)."""
 
 
 def in_use() -> bool:

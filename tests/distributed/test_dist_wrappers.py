@@ -8,7 +8,7 @@ overlapped backward (each ubatch's in its thread) reduce-scatters each unit once
 gives every parameter its gradient, allclose to in turn and the same bits on every run,
 as `overlap_backward=False` does; so does gradient accumulation with
 `set_requires_gradient_sync(False)`. DDP, either way round and under `no_sync()`: the
-gradients of the same ubatches in turn."""
+gradients of the same ubatches in turn, with one all-reduce per bucket per backward."""
 
 from __future__ import annotations
 
@@ -224,33 +224,51 @@ class _Overlapping(torch.nn.Module):
         return self.step(x)
 
 
-def _ddp_checks() -> dict[str, bool]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _ddp(module: torch.nn.Module, buckets: list[int]) -> torch.nn.Module:
+    """`module` in DDP with small buckets, each all-reduce counted in `buckets[0]`."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
 
+    def counted(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+        buckets[0] += 1
+        return allreduce_hook(state, bucket)
+
+    wrapped = DistributedDataParallel(module, bucket_cap_mb=0.002)
+    wrapped.register_comm_hook(None, counted)
+    return wrapped
+
+
+def _ddp_checks() -> dict[str, Any]:
     start_together()
     rank, _, _ = comm.init_distributed(timeout_s=60)
-    found = {}
-    reference = DDP(_model())
-    want = _grads(reference, _in_turn(reference), _x(rank, True))
-    wrapped_overlap = DDP(_Overlapping(_model()))
-    found["DDP(overlap)"] = _close(_grads(wrapped_overlap, wrapped_overlap, _x(rank, True)), want)
-    overlap_of_ddp = dbo.overlap(DDP(_model()), timeout_s=60)
-    got = _grads(overlap_of_ddp.dbo_target, overlap_of_ddp, _x(rank, True))
+    found: dict[str, Any] = {}
+    counts = {name: [0] for name in ("in turn", "DDP(overlap)", "overlap(DDP)")}
+    reference = _ddp(_model(), counts["in turn"])
+    # Two steps: DDP's buckets are rebuilt to bucket_cap_mb after its first.
+    want = _grads(reference, _in_turn(reference), _x(rank, True), calls=2)
+    wrapped_overlap = _ddp(_Overlapping(_model()), counts["DDP(overlap)"])
+    found["DDP(overlap)"] = _close(
+        _grads(wrapped_overlap, wrapped_overlap, _x(rank, True), calls=2), want)
+    overlap_of_ddp = dbo.overlap(_ddp(_model(), counts["overlap(DDP)"]), timeout_s=60)
+    got = _grads(overlap_of_ddp.dbo_target, overlap_of_ddp, _x(rank, True), calls=2)
     found["overlap(DDP)"] = _close(got, want)
+    found["all-reduces"] = {name: count[0] for name, count in counts.items()}
     # no_sync: the first call's gradients stay local, the second's are all-reduced.
-    model = DDP(_model())
+    model = _ddp(_model(), [0])
     step = dbo.overlap(model, timeout_s=60)
     model.zero_grad(set_to_none=True)
     x = _x(rank, True)
     with model.no_sync():
         (step(x) ** 2).sum().backward()
     (step(x) ** 2).sum().backward()
-    found["no_sync"] = _close([p.grad for p in model.parameters()],
-                              [g * 2 for g in want[1:]])  # type: ignore[operator]
+    found["no_sync"] = _close([p.grad for p in model.parameters()], want[1:])
     return found
 
 
 @pytest.mark.timeout(300)
 def test_ddp_either_way_round_and_no_sync_give_the_in_turn_gradients() -> None:
     for rank, found in enumerate(expect_ok(run_world(_ddp_checks, 2, timeout_s=240))):
+        # One all-reduce per bucket per backward, as many as the wrapper in turn makes.
+        all_reduces = found.pop("all-reduces")
+        assert len(set(all_reduces.values())) == 1 and all_reduces["in turn"] > 2, all_reduces
         assert found and all(found.values()), (rank, found)
