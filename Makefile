@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dbo-installed
 
-.PHONY: demo demo-hf demo-generate demo-train demo-workspace test lint typecheck pytest bench \
+.PHONY: demo demo-hf demo-generate demo-train demo-train-fsdp demo-workspace test lint typecheck pytest bench \
 	upgrade-pins clean
 
 # Each install step prints one line; pip's own output is shown only when a step fails.
@@ -56,6 +56,9 @@ demo-generate: $(STAMP)
 
 demo-train: $(STAMP)
 	$(BIN)/python examples/train_moe.py --spawn 2
+
+demo-train-fsdp: $(STAMP)
+	$(BIN)/python examples/train_fsdp.py --spawn 2
 
 demo-workspace: $(STAMP)
 	$(BIN)/python examples/workspace_demo.py

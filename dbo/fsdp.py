@@ -58,6 +58,24 @@ def in_use() -> bool:
     return fsdp is not None and bool(fsdp.FSDPModule.__subclasses__())
 
 
+def refuse_fsdp1(target: Any) -> None:
+    """ValueError if `target` (what `dbo.overlap` wraps: a module, or a module's bound
+    method) holds a `FullyShardedDataParallel` module (FSDP1): dbo is not checked with it
+    (it needs an accelerator, and it shards by its own hooks, not FSDP2's)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module = getattr(target, "__self__", target)
+    if fsdp is None or not isinstance(module, torch.nn.Module):
+        return
+    for inner in module.modules():
+        if isinstance(inner, fsdp.FullyShardedDataParallel):
+            raise ValueError(
+                f"dbo.overlap's function holds {type(inner.module).__name__} wrapped in "
+                "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1), which dbo is not "
+                "checked with; shard with FSDP2's torch.distributed.fsdp.fully_shard, "
+                "which dbo supports"
+            )
+
+
 class SharedUnits:
     """`with SharedUnits(num_ubatches):` around one overlapped forward (see the module's
     docstring). A module forward hook of the whole process, for the call's duration; it

@@ -164,6 +164,7 @@ class Overlapped:
             )
         plain = hasattr(fn, "__name__") and not isinstance(fn, (functools.partial, torch.nn.Module))
         functools.update_wrapper(self, fn, updated=functools.WRAPPER_UPDATES if plain else ())
+        fsdp.refuse_fsdp1(fn)
         # Set after update_wrapper, which copies a plain function's __dict__ onto this one.
         self.dbo_target = fn
         self.dbo_whole = _whole_arguments(fn, no_split)

@@ -363,3 +363,20 @@ def test_bad_input_raises_a_helpful_error_and_changes_nothing(
         case.bad(given)
     assert case.then(given) is True
 
+
+
+def test_a_module_sharded_by_fsdp1_is_refused_naming_fully_shard() -> None:
+    """FullyShardedDataParallel (FSDP1) needs an accelerator to build: a stand-in of its
+    class, as `isinstance` sees it."""
+    from torch.distributed import fsdp
+
+    class Sharded(fsdp.FullyShardedDataParallel):
+        def __init__(self, module: torch.nn.Module) -> None:
+            torch.nn.Module.__init__(self)
+            self._fsdp_wrapped_module = module
+
+    model = torch.nn.Sequential(Sharded(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match=r"Linear.*FullyShardedDataParallel.*fully_shard"):
+        dbo.overlap(model)
+    with pytest.raises(ValueError, match="FSDP1"):
+        dbo.overlap(model.forward)
