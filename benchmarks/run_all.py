@@ -195,6 +195,18 @@ def _train_rows(result: dict[str, Any]) -> list[Row]:
     )]
 
 
+def _train_fsdp_rows(result: dict[str, Any]) -> list[Row]:
+    return [(
+        "`train_fsdp.py`, SGD steps under FSDP2: DBO vs the same ubatches in turn, forward / "
+        "backward / whole step; reduce-scatters per backward, in turn / DBO",
+        f"{result['forward_speedup_vs_split']:.2f}x / {result['backward_speedup_vs_split']:.2f}x"
+        f" / {result['step_speedup_vs_split']:.2f}x; {result['reduce_scatters_split']:.0f} / "
+        f"{result['reduce_scatters_dbo']:.0f}",
+        f"losses allclose: {result['losses_close']} (largest difference "
+        f"{result['largest_loss_difference']:.1e}); one reduce-scatter per sharded layer",
+    )]
+
+
 _OVERLAP_CONFIGS = ",".join(
     f"{size:g}:{size:g}:{u}" for u in OVERLAP_UBATCHES for size in OVERLAP_SIZES_MS
 )
@@ -219,6 +231,8 @@ ITEMS = (
          ("--spawn", "2", "--repeats", "2", "--new-tokens", "8"), _generate_rows),
     Item("train", "examples/train_moe.py", ("--spawn", "2"), ("--spawn", "2", "--steps", "4"),
          _train_rows),
+    Item("train-fsdp", "examples/train_fsdp.py", ("--spawn", "2"),
+         ("--spawn", "2", "--steps", "4"), _train_fsdp_rows),
 )
 """The items in the order they run."""
 
