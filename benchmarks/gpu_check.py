@@ -311,6 +311,21 @@ def _train(result: Result) -> tuple[list[Row], list[str]]:
              f"{result['losses_equal'] and result['weights_equal']}")], problems
 
 
+def _train_fsdp(result: Result) -> tuple[list[Row], list[str]]:
+    problems = []
+    if (result["backend"], result["device"]) != ("nccl", "cuda"):
+        problems.append(f"ran on {result['backend']}/{result['device']}, not nccl/cuda")
+    if not result["losses_close"]:
+        problems.append("training with DBO under FSDP2 diverged from the ubatches in turn")
+    return [("the MoE training example under FSDP2 on NCCL (one rank): DBO over the same "
+             "ubatches in turn, forward / backward / whole step",
+             f"{result['forward_speedup_vs_split']:.2f}x / "
+             f"{result['backward_speedup_vs_split']:.2f}x / {result['step_speedup_vs_split']:.2f}x",
+             f"median ms per step; losses allclose: {result['losses_close']}; reduce-scatters "
+             f"per backward in turn / DBO: {result['reduce_scatters_split']:.0f} / "
+             f"{result['reduce_scatters_dbo']:.0f}")], problems
+
+
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
 STEPS = (
     Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
@@ -329,6 +344,9 @@ STEPS = (
     Step("train", "the MoE training example on NCCL: forward and backward overlapped",
          ("examples/train_moe.py", "--steps", "8", "--tokens", "1024", "--json",
           "--out", "{out}/train"), 30, _train, world_of_one=True),
+    Step("train-fsdp", "the MoE training example under FSDP2 on NCCL",
+         ("examples/train_fsdp.py", "--steps", "8", "--tokens", "1024", "--json"), 25,
+         _train_fsdp, world_of_one=True),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
          ("benchmarks/graph_replay.py", "--json"), 30, _graph),
     Step("generate-graph", "a captured decode step of a HF MoE model vs eager DBO generation",

@@ -1,8 +1,8 @@
 """The overlapped backward on CUDA, where autograd would run every ubatch's kernels on its
 one device thread: each ubatch's backward runs in its ubatch thread, on its forward's
 streams, gives the in-turn gradients, and one ubatch's backward communication overlaps
-the other's backward compute (event timing); the training example keeps its checks on
-NCCL. Skipped without CUDA."""
+the other's backward compute (event timing); the training examples (and the one under
+FSDP2) keep their checks on NCCL. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -135,3 +135,19 @@ def test_the_training_example_on_nccl_keeps_losses_and_weights_equal(tmp_path: P
     result = json.loads(completed.stdout.strip().splitlines()[-1])
     assert (result["backend"], result["device"]) == ("nccl", "cuda")
     assert result["losses_equal"] and result["weights_equal"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(os.environ.get("DBO_IN_GPU_CHECK") == "1",
+                    reason="benchmarks/gpu_check.py runs train_fsdp.py as a step")
+def test_the_fsdp_training_example_on_nccl_trains_as_in_turn() -> None:
+    from world_of_one import run_world_of_one
+
+    completed = run_world_of_one(
+        [ROOT / "examples" / "train_fsdp.py", "--steps", "3", "--tokens", "256", "--json"]
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    result = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert (result["backend"], result["device"]) == ("nccl", "cuda")
+    assert result["losses_close"]
+    assert result["reduce_scatters_dbo"] == result["reduce_scatters_split"]  # 0 in a world of 1
