@@ -323,7 +323,9 @@ def _train_fsdp(result: Result) -> tuple[list[Row], list[str]]:
              f"{result['backward_speedup_vs_split']:.2f}x / {result['step_speedup_vs_split']:.2f}x",
              f"median ms per step; losses allclose: {result['losses_close']}; reduce-scatters "
              f"per backward in turn / DBO: {result['reduce_scatters_split']:.0f} / "
-             f"{result['reduce_scatters_dbo']:.0f}")], problems
+             f"{result['reduce_scatters_dbo']:.0f}; backward's peak MiB in turn / DBO: "
+             f"{result['backward_peak_split_mib']:.1f} / {result['backward_peak_dbo_mib']:.1f}")
+            ], problems
 
 
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")

@@ -15,9 +15,9 @@ reduce-scattered once per backward, as soon as both ubatches' backwards have lef
 
 It prints the losses of both (allclose, and the largest difference: FSDP2 sums the
 ubatches' gradients in another order than autograd does in turn), the median forward,
-backward and whole-step times of each mode (per step the slowest rank), and per mode
-the gradient reduce-scatters of a backward and the host time inside them; --json ends
-the output with one JSON line of the results.
+backward and whole-step times of each mode (per step the slowest rank), per mode the
+gradient reduce-scatters of a backward and the host time inside them, and on CUDA the
+memory each backward allocates at its peak; --json ends the output with one JSON line.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 import _harness
 import torch
 import torch.distributed as dist
-from moe_overlap import MoEModel, add_model_args
+from moe_overlap import MoEModel
 from torch.distributed.fsdp import fully_shard
-from train_moe import _batch, _sync
+from train_moe import _batch, _sync, print_speedups, training_args
 
 import comm
 import dbo
@@ -105,20 +105,27 @@ class _Trainer:
         start = _sync(self.device)
         loss = torch.nn.functional.mse_loss(self.forward(x), target)
         forward_end = _sync(self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
         with _ReduceScatters() as reduced:
             loss.backward()
         backward_end = _sync(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before if cuda else 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         end = _sync(self.device)
         return loss.item(), {
             "forward": (forward_end - start) * 1e3, "backward": (backward_end - forward_end) * 1e3,
             "step": (end - start) * 1e3, "reduce_scatter": reduced.seconds * 1e3,
-            "reduce_scatters": float(reduced.count),
+            "reduce_scatters": float(reduced.count), "backward_peak": peak / 2**20,
         }
 
 
-PHASES = ("forward", "backward", "step", "reduce_scatter", "reduce_scatters")
+PHASES = ("forward", "backward", "step", "reduce_scatter", "reduce_scatters", "backward_peak")
+"""Per step: ms, ms, ms, ms, a count, and the memory the backward allocated at its peak
+over what it started with (MiB; CUDA only: 0 on CPU)."""
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -163,7 +170,8 @@ def _summarize(
     for m, mode in enumerate(times):
         for n, name in enumerate(PHASES):
             value = statistics.median(slowest[m, :, n].tolist())
-            summary[f"{name}_{mode}" if name == "reduce_scatters" else f"{name}_{mode}_ms"] = value
+            unit = {"reduce_scatters": "", "backward_peak": "_mib"}.get(name, "_ms")
+            summary[f"{name}_{mode}{unit}"] = value
     for name in ("forward", "backward", "step"):
         summary[f"{name}_speedup_vs_split"] = (
             summary[f"{name}_split_ms"] / summary[f"{name}_dbo_ms"])
@@ -193,25 +201,17 @@ def _report(summary: dict[str, Any], losses: dict[str, list[float]],
             f"{summary[f'reduce_scatters_{mode}']:>17.0f}"
             f"{summary[f'reduce_scatter_{mode}_ms']:>12.1f}"
         )
-    print(
-        f"  DBO over the same ubatches in turn: forward "
-        f"{summary['forward_speedup_vs_split']:.2f}x, backward "
-        f"{summary['backward_speedup_vs_split']:.2f}x, whole step "
-        f"{summary['step_speedup_vs_split']:.2f}x"
-    )
+    print_speedups(summary)
+    if summary["device"] == "cuda":
+        print(f"  memory the backward allocated at its peak (MiB): in turn "
+              f"{summary['backward_peak_split_mib']:.1f}, "
+              f"DBO {summary['backward_peak_dbo_mib']:.1f}")
     if args.json:
         print(json.dumps(summary))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(parser)
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument(
-        "--warmup", type=int, default=2, help="untimed steps first (default %(default)s)"
-    )
-    _harness.add_common_args(parser, default_out="dbo-train-fsdp")
-    _harness.launch(rank_main, parser.parse_args())
+    _harness.launch(rank_main, training_args(__doc__.split("\n\n")[0], "dbo-train-fsdp"))
 
 
 if __name__ == "__main__":

@@ -217,26 +217,35 @@ def _report(
             f"{summary[f'backward_{mode}_ms']:>13.1f}{summary[f'step_{mode}_ms']:>10.1f}"
             f"{summary[f'blocked_backward_{mode}_ms']:>24.1f}"
         )
+    print_speedups(summary)
+    _harness.print_files(files, plot_error)
+    if args.json:
+        print(json.dumps(summary))
+
+
+def print_speedups(summary: dict[str, Any]) -> None:
     print(
         f"  DBO over the same ubatches in turn: forward "
         f"{summary['forward_speedup_vs_split']:.2f}x, backward "
         f"{summary['backward_speedup_vs_split']:.2f}x, whole step "
         f"{summary['step_speedup_vs_split']:.2f}x"
     )
-    _harness.print_files(files, plot_error)
-    if args.json:
-        print(json.dumps(summary))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def training_args(description: str, default_out: str) -> argparse.Namespace:
+    """The flags of the training examples: the model's, --lr, --warmup, the common ones."""
+    parser = argparse.ArgumentParser(description=description)
     add_model_args(parser)
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
     parser.add_argument(
         "--warmup", type=int, default=2, help="untimed steps first (default %(default)s)"
     )
-    _harness.add_common_args(parser, default_out="dbo-train")
-    _harness.launch(rank_main, parser.parse_args())
+    _harness.add_common_args(parser, default_out=default_out)
+    return parser.parse_args()
+
+
+def main() -> None:
+    _harness.launch(rank_main, training_args(__doc__.split("\n\n")[0], "dbo-train"))
 
 
 if __name__ == "__main__":
