@@ -2,7 +2,9 @@
 
 Replayed: the intra-op thread count, the current CUDA device, inference and grad mode, the
 cpu and cuda autocasts, the default device, the innermost saved-tensor hooks (checkpointing
-or `save_on_cpu` around the call keep their memory saving) or their being disabled. Under
+or `save_on_cpu` around the call keep their memory saving) or their being disabled; each
+job also runs in a copy of the caller's context variables (`worker.UBatchJob`: dynamo's
+configuration lives in one from torch 2.12), so what `fn` sets there stays in its job. Under
 any other torch-function or dispatch mode, or a `torch.func` transform, `dbo.overlap` runs
 inline: a mode entered from several threads breaks modes that keep per-entry state.
 Workers serve unrelated calls: what `fn` leaves switched on is switched off after its job.

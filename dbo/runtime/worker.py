@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import contextvars
 import dataclasses
 import os
 import sys
@@ -71,6 +72,11 @@ class UBatchJob:
     """Taken once: by the worker when the job starts, or by `revoke`."""
     revoked: bool = dataclasses.field(default=False, init=False)
     """Whether `revoke` stopped it: it never runs, so the caller counts it as finished."""
+    caller_context: contextvars.Context | None = dataclasses.field(
+        default_factory=contextvars.copy_context, init=False)
+    """A copy of the caller's context variables (made where the job is made, in the
+    caller's thread), which the job runs in: dynamo's configuration (a ContextVar from
+    torch 2.12) and the user's own reach `fn`, and what `fn` sets goes with the job."""
 
     def revoke(self) -> bool:
         """Stop the job from ever running; False if it has already started."""
@@ -83,11 +89,17 @@ class UBatchJob:
     def _drop_references(self) -> None:
         """Forget the run, `fn`, the inputs and the outputs: they belong to the caller."""
         self.run = self.fn = self.args = self.kwargs = None  # type: ignore[assignment]
+        self.caller_context = None
         self.results = self.errors = None  # type: ignore[assignment]
 
     def __call__(self) -> None:
         if not self._claim.acquire(blocking=False):
             return  # revoked by an aborted run, which counted this ubatch as finished
+        context = self.caller_context
+        assert context is not None, "a job runs once"
+        context.run(self._run)
+
+    def _run(self) -> None:
         run, ubatch_id = self.run, self.ubatch_id
         try:
             context = UBatchContext(ubatch_id, run.num_ubatches, run)

@@ -5,6 +5,7 @@ the workers cannot share runs inline."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any
 
 import pytest
@@ -244,3 +245,64 @@ def test_the_default_device_context_still_overlaps() -> None:
     with torch.device("cpu"):
         dbo.overlap(fn, timeout_s=10)(torch.zeros(4))
     assert seen == [True, True]
+
+
+_USER_SETTING: contextvars.ContextVar[str] = contextvars.ContextVar("dbo_test_setting",
+                                                                   default="default")
+
+
+def test_the_callers_context_variables_reach_the_ubatches_and_fn_s_do_not_leak() -> None:
+    """A ContextVar the caller set is what each ubatch reads (and its backward); what `fn`
+    sets stays in its ubatch, for that call only."""
+    seen: list[tuple[int, str]] = []
+
+    class Note(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            seen.append((dbo.current_ubatch_id(), "backward " + _USER_SETTING.get()))
+            return grad
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append((dbo.current_ubatch_id(), _USER_SETTING.get()))
+        _USER_SETTING.set(f"set by ubatch {dbo.current_ubatch_id()}")
+        dbo.yield_()
+        seen.append((dbo.current_ubatch_id(), _USER_SETTING.get()))
+        return Note.apply(x)
+
+    token = _USER_SETTING.set("the caller's")
+    try:
+        x = torch.ones(4, 2, requires_grad=True)
+        _overlap(fn)(x).sum().backward()
+        assert _USER_SETTING.get() == "the caller's"
+        _USER_SETTING.set("changed")
+        _overlap(fn)(torch.ones(4, 2))
+    finally:
+        _USER_SETTING.reset(token)
+    assert seen == [
+        (0, "the caller's"), (1, "the caller's"),
+        (0, "set by ubatch 0"), (1, "set by ubatch 1"),
+        (0, "backward the caller's"), (1, "backward the caller's"),
+        (0, "changed"), (1, "changed"), (0, "set by ubatch 0"), (1, "set by ubatch 1"),
+    ], seen
+
+
+@pytest.mark.skipif(not hasattr(torch._dynamo.config, "recompile_limit"),
+                    reason="this torch names the limit otherwise")
+def test_the_callers_dynamo_configuration_reaches_the_ubatches() -> None:
+    """torch 2.12 keeps dynamo's configuration in a ContextVar: a new thread would start
+    from the defaults (recompile_limit 8)."""
+    import torch._dynamo.config as dynamo_config
+
+    seen = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append((dynamo_config.recompile_limit, dynamo_config.capture_scalar_outputs))
+        return x
+
+    with dynamo_config.patch(recompile_limit=3, capture_scalar_outputs=True):
+        _overlap(fn)(torch.ones(4, 2))
+    assert seen == [(3, True), (3, True)]
