@@ -5,11 +5,11 @@ backward exchange through `comm` (each a yield point inside an overlap).
 FSDP2: the forward equals the same wrapper on the ubatches in turn, for every
 `reshard_after_forward` (True, False, and an int on 4 ranks), and gathers each unit once
 per overlapped forward; the overlapped backward (each ubatch's in its thread)
-reduce-scatters each unit once, and
-gives every parameter its gradient, allclose to in turn and the same bits on every run,
-as `overlap_backward=False` does; so does gradient accumulation with
-`set_requires_gradient_sync(False)`. DDP, either way round and under `no_sync()`: the
-gradients of the same ubatches in turn, with one all-reduce per bucket per backward."""
+reduce-scatters each unit once and gives every parameter its gradient, allclose to in
+turn and the same bits on every run, as `overlap_backward=False` does; so do gradient
+accumulation with `set_requires_gradient_sync(False)` and a step after a backward that
+failed. DDP, either way round and under `no_sync()`: the gradients of the same ubatches
+in turn, with one all-reduce per bucket per backward."""
 
 from __future__ import annotations
 
@@ -146,6 +146,21 @@ def _count(names: tuple[str, ...], step: Callable[[], Any]) -> int:
     return count[0]
 
 
+class _FailInUBatch1(torch.autograd.Function):
+    """Identity; its backward raises in ubatch 1 while `failing[0]`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, failing: list[bool]) -> torch.Tensor:
+        ctx.failing = failing
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.failing[0] and dbo.current_ubatch_id() == 1:
+            raise KeyError("injected in ubatch 1's backward")
+        return grad, None
+
+
 def _reshards(world_size: int) -> tuple[Any, ...]:
     """The `reshard_after_forward` settings checked: an int (a smaller mesh after the
     forward) needs a world it divides."""
@@ -189,6 +204,19 @@ def _fsdp_checks() -> dict[str, Any]:
             (trains(_x(rank, True)) ** 2).sum().backward()
         accumulated.append([_local(p.grad) for p in wrapped.parameters()])
     found["no gradient sync, then sync"] = _close(*accumulated)
+    # A backward that fails in a ubatch raises on every rank; the next step is right.
+    model, reference = _sharded(True), _sharded(True)
+    failing = [True]
+    step = dbo.overlap(lambda x: _FailInUBatch1.apply(model(x), failing), timeout_s=60)
+    try:
+        (step(_x(rank, True)) ** 2).sum().backward()
+        found["failed backward"] = "no error"
+    except KeyError as error:
+        found["failed backward"] = f"KeyError in ubatch {getattr(error, 'ubatch_id', None)}"
+    failing[0] = False
+    found["next step after a failure"] = _close(
+        _grads(model, step, _x(rank, True))[1:],
+        _grads(reference, _in_turn(reference), _x(rank, True))[1:])
     return found
 
 
@@ -200,6 +228,8 @@ def test_fsdp2_shares_each_units_gather_and_reduce_and_trains_as_in_turn(
     results = expect_ok(run_world(_fsdp_checks, world_size, timeout_s=240))
     for rank, found in enumerate(results):
         assert found.pop("no gradient sync, then sync"), rank
+        assert found.pop("failed backward") == "KeyError in ubatch 1", rank
+        assert found.pop("next step after a failure"), rank
         for reshard in _reshards(world_size):
             assert found[f"{reshard} forward equal"], (rank, reshard)
             # Three units, each gathered at most once per overlapped forward; in turn,
