@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import dbo
+from comm import compiled
 from comm._abandoned import abandon, is_over
 from comm._checks import (
     check_all_to_all,
@@ -276,7 +277,11 @@ def all_to_all_single(
     returns (`async_op=True`).
 
     Outside an overlap: `torch.distributed.all_to_all_single`; inside: module docstring.
+    Under `torch.compile`: one node (`comm.compiled`).
     """
+    if compiled.traced(async_op):
+        compiled.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)
+        return None
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, facts.is_nccl)
@@ -301,7 +306,11 @@ def all_reduce(
     and dtype. `ReduceOp.AVG` of an integer tensor is refused (TypeError) except on NCCL.
 
     Outside an overlap: `torch.distributed.all_reduce`; inside: module docstring.
+    Under `torch.compile`: one node (`comm.compiled`).
     """
+    if compiled.traced(async_op):
+        compiled.all_reduce(tensor, op, group)
+        return None
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     tensor = require_tensor("tensor", tensor)
@@ -325,7 +334,11 @@ def all_gather_into_tensor(
     `input`), which raise ValueError here on other backends.
 
     Outside an overlap: `torch.distributed.all_gather_into_tensor`; inside: module docstring.
+    Under `torch.compile`: one node (`comm.compiled`).
     """
+    if compiled.traced(async_op):
+        compiled.all_gather_into_tensor(output, input, group)
+        return None
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, facts.is_nccl)
@@ -352,7 +365,11 @@ def reduce_scatter_tensor(
     `output`), which raise ValueError here on other backends.
 
     Outside an overlap: `torch.distributed.reduce_scatter_tensor`; inside: module docstring.
+    Under `torch.compile`: one node (`comm.compiled`).
     """
+    if compiled.traced(async_op):
+        compiled.reduce_scatter_tensor(output, input, op, group)
+        return None
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, facts.is_nccl)

@@ -72,6 +72,10 @@ class UBatchGroupRegistry:
             return base
         return duplicates[ubatch_id % len(duplicates)]
 
+    def base_named(self, name: str) -> dist.ProcessGroup | None:
+        """The base group named `name` that has duplicates, if any."""
+        return next((base for base in self._duplicates if base.group_name == name), None)
+
     def get_or_create(
         self, base: dist.ProcessGroup, num_ubatches: int
     ) -> tuple[dist.ProcessGroup, ...]:
