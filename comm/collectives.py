@@ -12,13 +12,12 @@ program (do not branch on `is_completed()` inside an overlap).
 
 Arguments are checked on the host before anything is launched (TypeError / ValueError
 naming the values): a refused call launches nothing, and its peers wait until the group's
-timeout. Split sizes agreeing between ranks cannot be checked locally; `comm.moe.dispatch`
-exchanges counts so that they always do.
+timeout. Split sizes agreeing between ranks cannot be checked locally.
 
 A call on a side stream (`with torch.cuda.stream(side):`) follows `side`'s work and
 `side` follows it, as in torch.distributed. A collective an aborted ubatch never waited
-is joined into its streams on NCCL (the caller's stream waits for it); gloo's, whose
-wait blocks the host (on CUDA tensors too), are left to `comm._abandoned`.
+is joined into its streams on NCCL; gloo's, whose wait blocks the host, are left to
+`comm._abandoned`. Under `torch.compile` a blocking one is one node (`comm.compiled`).
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ from comm.groups import group_registry
 ReduceOp = dist.ReduceOp
 _registry = group_registry()
 
-# `all_gather_single` / `reduce_scatter_single` are the names since torch 2.13 (the old
-# ones warn); older torch has only the old ones.
+# `all_gather_single` / `reduce_scatter_single`: the names since torch 2.13 (older: the old).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -72,10 +70,8 @@ class CollectiveWork:
     function returns is waited then (no yield).
     """
 
-    __slots__ = (
-        "_work", "_tensors", "_yields", "_nccl", "_waited", "_done", "_error", "_exit_cell",
-        "_name",
-    )
+    __slots__ = ("_work", "_tensors", "_yields", "_nccl", "_waited", "_done", "_error",
+                 "_exit_cell", "_name")
 
     def __init__(
         self, work: Any, tensors: Sequence[torch.Tensor], yields: bool,
@@ -277,11 +273,10 @@ def all_to_all_single(
     returns (`async_op=True`).
 
     Outside an overlap: `torch.distributed.all_to_all_single`; inside: module docstring.
-    Under `torch.compile`: one node (`comm.compiled`).
     """
     if compiled.traced(async_op):
-        compiled.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)
-        return None
+        return compiled.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group)
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, facts.is_nccl)
@@ -306,11 +301,9 @@ def all_reduce(
     and dtype. `ReduceOp.AVG` of an integer tensor is refused (TypeError) except on NCCL.
 
     Outside an overlap: `torch.distributed.all_reduce`; inside: module docstring.
-    Under `torch.compile`: one node (`comm.compiled`).
     """
     if compiled.traced(async_op):
-        compiled.all_reduce(tensor, op, group)
-        return None
+        return compiled.all_reduce(tensor, op, group)
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     tensor = require_tensor("tensor", tensor)
@@ -334,11 +327,9 @@ def all_gather_into_tensor(
     `input`), which raise ValueError here on other backends.
 
     Outside an overlap: `torch.distributed.all_gather_into_tensor`; inside: module docstring.
-    Under `torch.compile`: one node (`comm.compiled`).
     """
     if compiled.traced(async_op):
-        compiled.all_gather_into_tensor(output, input, group)
-        return None
+        return compiled.all_gather_into_tensor(output, input, group)
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, facts.is_nccl)
@@ -365,11 +356,9 @@ def reduce_scatter_tensor(
     `output`), which raise ValueError here on other backends.
 
     Outside an overlap: `torch.distributed.reduce_scatter_tensor`; inside: module docstring.
-    Under `torch.compile`: one node (`comm.compiled`).
     """
     if compiled.traced(async_op):
-        compiled.reduce_scatter_tensor(output, input, op, group)
-        return None
+        return compiled.reduce_scatter_tensor(output, input, op, group)
     base, facts = resolve_group_and_facts(group)
     async_op = check_async_op(async_op)
     output, input = check_pair(output, input, facts.is_nccl)

@@ -15,6 +15,7 @@ They are registered when `comm` is imported (a few ms): dynamo finds them while 
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,26 +95,27 @@ for _op in (_all_reduce, _all_gather, _reduce_scatter, _all_to_all):
     _op.register_fake(lambda *args: None)  # each writes only tensors it was given
 
 
-def all_reduce(tensor: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> None:
-    torch.ops.dbo_comm.all_reduce(tensor, _op_name(op), _group_name(group))
+def all_reduce(tensor: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> Any:
+    return torch.ops.dbo_comm.all_reduce(tensor, _op_name(op), _group_name(group))
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None
-) -> None:
-    torch.ops.dbo_comm.all_gather_into_tensor(output, input, _group_name(group))
+) -> Any:
+    return torch.ops.dbo_comm.all_gather_into_tensor(output, input, _group_name(group))
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, op: object, group: dist.ProcessGroup | None
-) -> None:
-    torch.ops.dbo_comm.reduce_scatter_tensor(output, input, _op_name(op), _group_name(group))
+) -> Any:
+    return torch.ops.dbo_comm.reduce_scatter_tensor(output, input, _op_name(op), _group_name(group))
 
 
 def all_to_all_single(
     output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None,
     input_split_sizes: Sequence[int] | None, group: dist.ProcessGroup | None,
-) -> None:
-    torch.ops.dbo_comm.all_to_all_single(
+) -> Any:
+    """The op's node (it returns None), as the other three."""
+    return torch.ops.dbo_comm.all_to_all_single(
         output, input, None if output_split_sizes is None else list(output_split_sizes),
         None if input_split_sizes is None else list(input_split_sizes), _group_name(group))

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _exchanges import SumInBackward, SumInForward
 from _spawn import expect_ok, run_world, start_together
 
 import comm
@@ -39,30 +40,6 @@ class _Exchanges(torch.nn.Module):
         return x + self.b(torch.tanh(exchanged))
 
 
-class _SumInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        total = grad.clone()
-        comm.all_reduce(total)
-        return total
-
-
-class _SumInForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        total = x.clone()
-        comm.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 class _ParallelMLP(torch.nn.Module):
     """Megatron's column- then row-parallel MLP: an all-reduce each way."""
 
@@ -71,8 +48,8 @@ class _ParallelMLP(torch.nn.Module):
         self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.up(_SumInBackward.apply(x)))
-        return x + _SumInForward.apply(self.down(h))
+        h = torch.relu(self.up(SumInBackward.apply(x)))
+        return x + SumInForward.apply(self.down(h))
 
 
 def _in_turn(fn: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _exchanges import SumInBackward, SumInForward
 from _spawn import expect_ok, run_world, start_together
 
 import comm
@@ -46,34 +47,6 @@ class ReadmeMoELayer(torch.nn.Module):
         return x + comm.moe.combine(out, handle, weights)
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Identity; the backward sums the gradient over the ranks (`comm.all_reduce`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        total = grad.clone()
-        comm.all_reduce(total)  # inside a ubatch's backward: yields while in flight
-        return total
-
-
-class _SumOverTensorParallel(torch.autograd.Function):
-    """The sum over the ranks (`comm.all_reduce`); the backward is the identity."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        total = x.clone()
-        comm.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 class MegatronMLP(torch.nn.Module):
     """x + gelu(x @ W_in) @ W_out, column- then row-parallel, with conjugate all-reduces
     in forward and backward (Megatron's f and g)."""
@@ -89,9 +62,9 @@ class MegatronMLP(torch.nn.Module):
         self.w_out = torch.nn.Parameter(w_out[shard].contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = _CopyToTensorParallel.apply(x)
+        h = SumInBackward.apply(x)
         partial = torch.nn.functional.gelu(h @ self.w_in) @ self.w_out
-        return x + _SumOverTensorParallel.apply(partial)
+        return x + SumInForward.apply(partial)
 
 
 def _models(world_size: int) -> dict[str, tuple[torch.nn.Module, Callable[[int], Any]]]:

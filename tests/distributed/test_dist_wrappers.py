@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from _exchanges import SumInBackward, SumInForward
 from _spawn import expect_ok, run_world, start_together
 
 import comm
@@ -28,34 +29,6 @@ pytestmark = pytest.mark.distributed
 HIDDEN, ROWS = 16, 8
 
 
-class _SumInForward(torch.autograd.Function):
-    """The mean over the ranks (a yield point); the backward is the identity."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        total = x.clone()
-        comm.all_reduce(total)
-        return total / torch.distributed.get_world_size()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-class _SumInBackward(torch.autograd.Function):
-    """Identity; the backward takes the mean of the gradient over the ranks (a yield point)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        total = grad.clone()
-        comm.all_reduce(total)
-        return total / torch.distributed.get_world_size()
-
-
 class Block(torch.nn.Module):
     """An exchange in the forward (`comm.all_reduce`) and one in the backward."""
 
@@ -64,7 +37,7 @@ class Block(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Linear(HIDDEN, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _SumInForward.apply(self.a(_SumInBackward.apply(x)))
+        y = SumInForward.apply(self.a(SumInBackward.apply(x))) / torch.distributed.get_world_size()
         return x + self.b(torch.tanh(y))
 
 
