@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from comm.groups import group_registry
+
 _OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 """The reduce ops a node can name."""
 
@@ -44,8 +46,6 @@ def _op_name(op: object) -> str:
 
 
 def _group(name: str) -> dist.ProcessGroup:
-    from comm.groups import group_registry
-
     world = dist.group.WORLD
     if world is not None and world.group_name == name:
         return world
@@ -61,7 +61,7 @@ def _group(name: str) -> dist.ProcessGroup:
 
 @torch.library.custom_op("dbo_comm::all_reduce", mutates_args=("tensor",))
 def _all_reduce(tensor: torch.Tensor, op: str, group: str) -> None:
-    from comm import collectives
+    from comm import collectives  # which imports this module
 
     collectives.all_reduce(tensor, getattr(dist.ReduceOp, op), _group(group))
 

@@ -130,10 +130,8 @@ class _Plan:
     region_at: list[int] = field(default_factory=list)
     in_turn: bool = False
     """Whether the backwards run in turn in the caller's thread (`attach`)."""
-    fsdp_units: Sequence[Any] = ()
-    """The FSDP2 units the ubatches' forwards ran (`attach`)."""
     units: fsdp.SharedBackward | None = None
-    """Their backward, shared by the ubatches (`dbo.fsdp`)."""
+    """The backward of the FSDP2 units the forwards ran, shared by the ubatches."""
     keep_ubatch_graphs: bool = False
     """Whether every ubatch's backward keeps the graph: when a leaf is reached both
     through a shared part and apart from it, each ubatch's backward runs the shared part
@@ -222,9 +220,9 @@ def attach(
     ]
     if not any(ubatch.outputs for ubatch in ubatches):
         return outputs
-    plan = _Plan(run_ubatches, ubatches, in_turn=in_turn, fsdp_units=fsdp_units)
+    plan = _Plan(run_ubatches, ubatches, in_turn=in_turn)
     inputs = [tensor for tensors in replaced for tensor in tensors]
-    _plan_graphs(plan)
+    _plan_graphs(plan, fsdp_units)
     aliases = iter(_UBatchesBackward.apply(plan, *inputs, *plan.leaves))
     merged = []
     for leaves, spec in flat:
@@ -237,19 +235,20 @@ def _requires_grad(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and leaf.requires_grad
 
 
-def _plan_graphs(plan: _Plan) -> None:
+def _plan_graphs(plan: _Plan, fsdp_units: Sequence[Any]) -> None:
     """Walk each ubatch's graph; where graphs meet (a tensor made before the call and used
     in it, autocast's cached weight casts), each ubatch's stops at the shared part, whose
     backward runs once, on the ubatches' gradients summed (`_UBatchesBackward`), as
-    autograd's own would; unless a leaf is also reached apart from the shared part."""
+    autograd's own would; unless a leaf is also reached apart from the shared part. The
+    `fsdp_units` the forwards ran get their shared backward (`plan.units`)."""
     walks = [_walk(_starts(ubatch.outputs), ubatch.own, frozenset()) for ubatch in plan.ubatches]
     walked: set[Any] = set()
     met: set[Any] = set()  # the inner nodes more than one ubatch's walk reached
     for _, _, nodes in walks:
         met |= walked & nodes
         walked |= nodes
-    if plan.fsdp_units:
-        plan.units = fsdp.SharedBackward(plan.fsdp_units, [leaves for leaves, _, _ in walks])
+    if fsdp_units:
+        plan.units = fsdp.SharedBackward(fsdp_units, [leaves for leaves, _, _ in walks])
     reentrant = _reentrant_checkpoint_type()
     if any(type(node) is reentrant for node in walked):
         raise ValueError(
@@ -362,7 +361,7 @@ class _UBatchesBackward(torch.autograd.Function):
                 results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
         own_grads, leaf_grads, edge_grads = plan.summed(results)
         if plan.units is not None:  # their gradients went to FSDP2's units (`dbo.fsdp`)
-            units = plan.units.leaves()
+            units = plan.units.leaf_ids
             leaf_grads = [None if id(leaf) in units else grad
                           for leaf, grad in zip(plan.leaves, leaf_grads)]
         plan.shared_part_backward(edge_grads, leaf_grads)

@@ -165,19 +165,21 @@ def _param_groups(state: Any) -> list[Any]:
 class SharedBackward:
     """The backward of the FSDP2 `units` one overlapped forward ran, shared by its
     ubatches (see the module's docstring): `with shared:` around the ubatches'
-    backwards. `leaves_per_ubatch`: the leaves each ubatch's graph reaches; `leaves()`:
-    the units' parameters among them, whose gradients reach FSDP2 here, not through
-    dbo's node."""
+    backwards. `leaves_per_ubatch`: the leaves each ubatch's graph reaches; `leaf_ids`:
+    `id()` of every unit parameter, whose gradients reach FSDP2 here, not through dbo's
+    node."""
 
     def __init__(self, units: Iterable[Any], leaves_per_ubatch: Iterable[Iterable[Any]]) -> None:
         states = [unit._get_fsdp_state() for unit in units]
         self._context = states[0]._state_ctx
         self._groups = list(dict.fromkeys(g for state in states for g in _param_groups(state)))
-        self._params = {
-            id(param.unsharded_param): (group, param.unsharded_param)
-            for group in self._groups for param in group.fsdp_params
-            if hasattr(param, "_unsharded_param")
-        }
+        self._params_of = {group: [param.unsharded_param for param in group.fsdp_params
+                                   if hasattr(param, "_unsharded_param")]
+                           for group in self._groups}
+        """Param group -> its unsharded parameters (the leaves the ubatches' graphs reach)."""
+        self._params = {id(param): (group, param)
+                        for group, params in self._params_of.items() for param in params}
+        self.leaf_ids = frozenset(self._params)
         self._expected: dict[Any, int] = dict.fromkeys(self._groups, 0)
         """Param group -> how many gradients of its parameters the ubatches' backwards
         give (one per parameter per ubatch whose graph reaches it)."""
@@ -189,10 +191,6 @@ class SharedBackward:
         """id(parameter) -> the sum of the ubatches' gradients so far."""
         self._given: dict[Any, int] = {}
         """Param group -> how many of its gradients have come."""
-
-    def leaves(self) -> set[int]:
-        """`id()` of every unit parameter."""
-        return set(self._params)
 
     def __enter__(self) -> SharedBackward:
         self._summed.clear()  # a backward again (retain_graph=True) starts afresh
@@ -235,8 +233,8 @@ class SharedBackward:
     def _release(self, group: Any) -> None:
         """The unit's summed gradients to its parameters' `.grad` (added, as autograd
         accumulates), then FSDP2's post-backward: one reduce-scatter, the reshard."""
-        for key, (owner, param) in self._params.items():
-            grad = self._summed.pop(key, None) if owner is group else None
+        for param in self._params_of[group]:
+            grad = self._summed.pop(id(param), None)
             if grad is not None:
                 if param.grad is None:
                     param.grad = grad

@@ -251,7 +251,8 @@ class Overlapped:
         # turn in the caller's thread: the caller's own backward would interleave the
         # ubatches' nodes inside a unit.
         sharded = fsdp.in_use()
-        if backward or (sharded and grad):
+        node = backward or (sharded and grad)  # dbo's node takes the backward
+        if node:
             inputs, own, replaced = own_leaves(inputs)
         units = fsdp.SharedUnits(options.num_ubatches) if sharded else None
         with units or nullcontext(), runner_pool.lease(
@@ -261,7 +262,7 @@ class Overlapped:
                 self.dbo_target, inputs, timeout_s=options.timeout_s, device=run_device,
                 backward_per_ubatch=backward,
             )
-        if backward or (sharded and grad):
+        if node:
             run_backward = functools.partial(_run_backward, options, run_device)
             outputs = attach(outputs, own, replaced, run_backward, in_turn=not backward,
                              fsdp_units=units.units if units is not None else ())
