@@ -3,21 +3,19 @@
 Outside an overlap each is the plain torch.distributed op (with `async_op=True`, a
 `CollectiveWork` wrapping torch's `Work`). Inside an overlap a blocking call moves to the
 ubatch's comm stream (CUDA only), launches asynchronously on the ubatch's duplicate group
-(`comm.groups`; else the base group), `record_stream`s its CUDA tensors, yields exactly
-once, then waits (CUDA: the stream, not the host) and moves back to the compute stream
-(a caller already on its comm stream stays there). With `async_op=True` the launch
-returns at once, on the compute stream, and the handle's first `wait()` yields, then
-waits. The yields never depend on timing, so the launch order depends only on the
-program (do not branch on `is_completed()` inside an overlap).
+(`comm.groups`; else the base group), `record_stream`s its CUDA tensors, yields once,
+waits (CUDA: the stream, not the host) and moves back (a caller already on its comm stream
+stays there). With `async_op=True` the launch returns at once, and the handle's first
+`wait()` yields, then waits. The yields never depend on timing (do not branch on
+`is_completed()` inside an overlap): the launch order depends only on the program.
 
 Arguments are checked on the host before anything is launched (TypeError / ValueError
 naming the values): a refused call launches nothing, and its peers wait until the group's
 timeout. Split sizes agreeing between ranks cannot be checked locally.
 
-A call on a side stream (`with torch.cuda.stream(side):`) follows `side`'s work and
-`side` follows it, as in torch.distributed. A collective an aborted ubatch never waited
-is joined into its streams on NCCL; gloo's, whose wait blocks the host, are left to
-`comm._abandoned`. Under `torch.compile` a blocking one is one node (`comm.compiled`).
+A call on a side stream follows that stream's work, and it follows the call, as in
+torch.distributed. A collective an aborted ubatch never waited is joined into its streams
+on NCCL, left to `comm._abandoned` on gloo. Compiled: one node each (`comm.compiled`).
 """
 
 from __future__ import annotations
@@ -171,10 +169,14 @@ class CollectiveWork:
         return f"CollectiveWork({state}, yields={self._yields})"
 
 
+def _on_nccl(group: dist.ProcessGroup, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether it runs on NCCL: asked for a handle or an abort, not on a blocking call."""
+    return any(runs_on_nccl(group, tensor) for tensor in tensors)
+
+
 def _leave_in_flight(work: Any, nccl: bool) -> None:
-    """An aborted ubatch leaves `work` unwaited. NCCL: the current stream waits for it
-    (`Work.wait`, no host wait), and so the caller's stream. Others (gloo's wait blocks
-    the host, on CUDA tensors too): `comm._abandoned`."""
+    """An aborted ubatch leaves `work` unwaited. NCCL: the current stream (and so the
+    caller's) waits for it, not the host. Others (gloo's wait blocks the host): abandoned."""
     if nccl:
         with contextlib.suppress(Exception):  # a failed collective is over: nothing to join
             work.wait()
@@ -183,9 +185,8 @@ def _leave_in_flight(work: Any, nccl: bool) -> None:
 
 
 class _ExitCell:
-    """Holds an async handle for the wait at its ubatch's end until the handle's own
-    wait empties it. The handle refers to its cell weakly, so that a handle an aborted
-    ubatch dropped is freed, and abandoned, at once rather than by the garbage collector."""
+    """Holds an async handle for the wait at its ubatch's end until the handle's own wait
+    empties it; the handle refers to it weakly (an aborted ubatch's handle is freed at once)."""
 
     __slots__ = ("__weakref__", "handle")
 
@@ -221,9 +222,9 @@ def _run(
     if stream is None and not async_op:
         dbo.blocking_wait(launch, name, *args, group, False)  # the plain blocking op
         return None
-    nccl = any(runs_on_nccl(group, tensor) for tensor in tensors)
     if stream is None:
-        return CollectiveWork(launch(*args, group, True), tensors, False, name, nccl)
+        work = launch(*args, group, True)
+        return CollectiveWork(work, tensors, False, name, _on_nccl(group, tensors))
     ubatch_group = _registry.lookup(group, dbo.current_ubatch_id(), dbo.num_ubatches())
     on_cuda = isinstance(stream, torch.cuda.Stream)  # CPU: nothing to move or protect
     switched = on_cuda and not dbo.on_comm_stream()
@@ -237,7 +238,7 @@ def _run(
                 if tensor.is_cuda:
                     tensor.record_stream(comm_stream)
         if async_op:
-            handle = CollectiveWork(work, tensors, True, name, nccl)
+            handle = CollectiveWork(work, tensors, True, name, _on_nccl(group, tensors))
             # Waited at the ubatch's end if never waited, so the overlap's end covers it.
             cell = _ExitCell(handle)
             handle._exit_cell = weakref.ref(cell)
@@ -246,7 +247,7 @@ def _run(
         try:
             dbo.yield_()  # the other ubatches run while this transfer is in flight
         except BaseException:
-            _leave_in_flight(work, nccl)  # aborted, on the comm stream
+            _leave_in_flight(work, _on_nccl(group, tensors))  # aborted, on the comm stream
             raise
         dbo.blocking_wait(work.wait, name)
         return None
