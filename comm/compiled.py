@@ -39,7 +39,7 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 def _op_name(op: object) -> str:
     for name in _OPS:
-        if op == getattr(dist.ReduceOp, name):
+        if op is getattr(dist.ReduceOp, name):  # torch 2.11's dynamo cannot compare them
             return name
     raise ValueError(f"comm under torch.compile takes a plain ReduceOp ({', '.join(_OPS)}), "
                      f"got {op!r}")

@@ -31,6 +31,8 @@ def _run_and_id() -> tuple[OverlapRun | None, int]:
 
 
 def _switch(to_comm: bool, yield_first: bool) -> None:
+    if torch.compiler.is_compiling():  # run it outside the graph: a graph break
+        return torch.compiler.disable(_switch)(to_comm, yield_first)
     run, ubatch_id = _run_and_id()
     if run is not None:
         run.switch_stream(ubatch_id, to_comm=to_comm, yield_first=yield_first)
@@ -88,9 +90,12 @@ def yield_() -> None:
     Returns at once when this is the only live ubatch. Raises `UBatchAbortedError` if the
     overlap is being aborted (another ubatch failed). Outside an overlap: no-op.
     """
+    if torch.compiler.is_compiling():  # run it outside the graph: a graph break
+        return torch.compiler.disable(yield_)()
     context = thread_state.context
     if context is not None and context.run is not None:
         context.run.baton.yield_(context.ubatch_id)
+    return None
 
 
 def switch_to_comm() -> None:
