@@ -31,7 +31,8 @@ def traced(async_op: bool) -> bool:
     return not async_op and torch.compiler.is_compiling()
 
 
-def _group_name(group: dist.ProcessGroup | None) -> str:
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name a node holds for `group` (None: the default group)."""
     group = group if group is not None else dist.group.WORLD
     assert group is not None, "comm.init_distributed() makes the default group"
     return group.group_name
@@ -45,7 +46,9 @@ def _op_name(op: object) -> str:
                      f"got {op!r}")
 
 
-def _group(name: str) -> dist.ProcessGroup:
+def group_named(name: str) -> dist.ProcessGroup:
+    """The group a node names, when it runs: the default group, or one that
+    `comm.ubatch_groups` has duplicated (ValueError naming the fix otherwise)."""
     world = dist.group.WORLD
     if world is not None and world.group_name == name:
         return world
@@ -63,21 +66,21 @@ def _group(name: str) -> dist.ProcessGroup:
 def _all_reduce(tensor: torch.Tensor, op: str, group: str) -> None:
     from comm import collectives  # which imports this module
 
-    collectives.all_reduce(tensor, getattr(dist.ReduceOp, op), _group(group))
+    collectives.all_reduce(tensor, getattr(dist.ReduceOp, op), group_named(group))
 
 
 @torch.library.custom_op("dbo_comm::all_gather_into_tensor", mutates_args=("output",))
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group: str) -> None:
     from comm import collectives
 
-    collectives.all_gather_into_tensor(output, input, _group(group))
+    collectives.all_gather_into_tensor(output, input, group_named(group))
 
 
 @torch.library.custom_op("dbo_comm::reduce_scatter_tensor", mutates_args=("output",))
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group: str) -> None:
     from comm import collectives
 
-    collectives.reduce_scatter_tensor(output, input, getattr(dist.ReduceOp, op), _group(group))
+    collectives.reduce_scatter_tensor(output, input, getattr(dist.ReduceOp, op), group_named(group))
 
 
 @torch.library.custom_op("dbo_comm::all_to_all_single", mutates_args=("output",))
@@ -88,7 +91,7 @@ def _all_to_all(
     from comm import collectives
 
     collectives.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, _group(group))
+        output, input, output_split_sizes, input_split_sizes, group_named(group))
 
 
 for _op in (_all_reduce, _all_gather, _reduce_scatter, _all_to_all):
@@ -96,19 +99,19 @@ for _op in (_all_reduce, _all_gather, _reduce_scatter, _all_to_all):
 
 
 def all_reduce(tensor: torch.Tensor, op: object, group: dist.ProcessGroup | None) -> Any:
-    return torch.ops.dbo_comm.all_reduce(tensor, _op_name(op), _group_name(group))
+    return torch.ops.dbo_comm.all_reduce(tensor, _op_name(op), group_name(group))
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None
 ) -> Any:
-    return torch.ops.dbo_comm.all_gather_into_tensor(output, input, _group_name(group))
+    return torch.ops.dbo_comm.all_gather_into_tensor(output, input, group_name(group))
 
 
 def reduce_scatter_tensor(
     output: torch.Tensor, input: torch.Tensor, op: object, group: dist.ProcessGroup | None
 ) -> Any:
-    return torch.ops.dbo_comm.reduce_scatter_tensor(output, input, _op_name(op), _group_name(group))
+    return torch.ops.dbo_comm.reduce_scatter_tensor(output, input, _op_name(op), group_name(group))
 
 
 def all_to_all_single(
@@ -118,4 +121,4 @@ def all_to_all_single(
     """The op's node (it returns None), as the other three."""
     return torch.ops.dbo_comm.all_to_all_single(
         output, input, None if output_split_sizes is None else list(output_split_sizes),
-        None if input_split_sizes is None else list(input_split_sizes), _group_name(group))
+        None if input_split_sizes is None else list(input_split_sizes), group_name(group))

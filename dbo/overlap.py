@@ -260,7 +260,7 @@ class Overlapped:
         ) as runner:
             outputs = runner.run(
                 self.dbo_target, inputs, timeout_s=options.timeout_s, device=run_device,
-                backward_per_ubatch=backward,
+                backward_per_ubatch=node,
             )
         if node:
             run_backward = functools.partial(_run_backward, options, run_device)

@@ -75,8 +75,9 @@ def backward_state() -> dict[str, Any] | None:
 
     For library code that must run its backward collectives in one order on every rank
     (`comm.moe` chains its exchanges through it): this ubatch's own dict when each
-    ubatch's backward runs in its thread (`dbo.overlap` under grad mode), else the run's
-    (`run_state()`: `overlap_backward=False`, a `UBatchRunner`).
+    ubatch's backward runs as its own sequence (`dbo.overlap` under grad mode, in its
+    thread, or in turn under FSDP2), else the run's (`run_state()`:
+    `overlap_backward=False`, a `UBatchRunner`).
     """
     run, ubatch_id = _run_and_id()
     if run is None:

@@ -70,8 +70,12 @@ def exchange_counts(
     """Send row r of `counts_table` [W, E_local] to rank r, with this rank's bad-id flag
     (a bool scalar) as one more column: `(received [W, E_local + 1], work)`, row s from
     rank s, its flag last. Even splits: no host read."""
-    flags = bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)
-    return _send_rows(torch.cat([counts_table, flags], dim=1), None, None, group, async_op)
+    return send_rows(counts_with_flags(counts_table, bad_ids), None, None, group, async_op)
+
+
+def counts_with_flags(counts_table: torch.Tensor, bad_ids: torch.Tensor) -> torch.Tensor:
+    """`counts_table` [W, E_local] with the bad-id flag (a bool scalar) as a last column."""
+    return torch.cat([counts_table, bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)], 1)
 
 
 def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
@@ -137,14 +141,14 @@ def exchange_rows(
     requires grad (inside an overlap its token becomes the latest before its wait
     yields); else a plain all-to-all and no token."""
     if not torch.is_grad_enabled():
-        return _send_rows(rows, output_splits, input_splits, group)[0], None
+        return send_rows(rows, output_splits, input_splits, group)[0], None
     state = dbo.backward_state()
     latest = None if state is None else state.get(_ORDER_TOKEN_KEY)
     tokens: tuple[torch.Tensor, ...] = () if latest is None else (latest,)
     if anchor is not None and anchor.requires_grad and not any(t is anchor for t in tokens):
         tokens = (*tokens, anchor)
     if not (rows.requires_grad or tokens):
-        return _send_rows(rows, output_splits, input_splits, group)[0], None
+        return send_rows(rows, output_splits, input_splits, group)[0], None
     # Launch, publish the token, then yield and wait: the chain follows the launch order.
     pending: list[CollectiveWork] = []
     received, token = _ExchangeRows.apply(
@@ -156,7 +160,7 @@ def exchange_rows(
     return received, token
 
 
-def _send_rows(
+def send_rows(
     rows: torch.Tensor, output_splits: Splits, input_splits: Splits,
     group: dist.ProcessGroup, async_op: bool = False,
 ) -> tuple[torch.Tensor, CollectiveWork | None]:
@@ -190,7 +194,7 @@ class _ExchangeRows(torch.autograd.Function):
         ctx.splits = (output_splits, input_splits)
         ctx.group = group
         ctx.token_devices = tuple(token.device for token in tokens)
-        received, work = _send_rows(rows, output_splits, input_splits, group, async_op=True)
+        received, work = send_rows(rows, output_splits, input_splits, group, async_op=True)
         assert work is not None, "an async launch returns its handle"
         pending.append(work)
         return received, torch.empty(0, dtype=torch.float32, device=rows.device)
@@ -207,7 +211,7 @@ class _ExchangeRows(torch.autograd.Function):
             )
         output_splits, input_splits = ctx.splits
         # A missing gradient arrives as zeros: a rank whose rows were unused still sends.
-        grad_rows, _ = _send_rows(grad_received, input_splits, output_splits, ctx.group)
+        grad_rows, _ = send_rows(grad_received, input_splits, output_splits, ctx.group)
         token_grads = tuple(
             torch.zeros(0, dtype=torch.float32, device=device) if needed else None
             for device, needed in zip(ctx.token_devices, ctx.needs_input_grad[5:])

@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from comm._checks import resolve_group
+from comm.moe import compiled
 from comm.moe._exchange import (
     check_combine,
     check_dispatch,
     check_positive_int,
+    counts_with_flags,
     exchange_counts,
     exchange_rows,
     raise_if_bad_ids,
@@ -113,12 +115,17 @@ def dispatch_fixed(
 
     counts_table = counts[:num_experts].clamp(max=capacity).view(world_size, num_local_experts)
     bad_ids = ((flat_ids < -1) | (flat_ids >= num_experts)).any()
-    received, counts_work = exchange_counts(counts_table, bad_ids, base, async_op=True)
-    rows, order_token = exchange_rows(send_rows, None, None, base)
-    assert counts_work is not None
-    counts_work.wait(yield_first=False)
-    if check_ids and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        raise_if_bad_ids(received[:, -1].tolist(), -1, num_experts)
+    if torch.compiler.is_compiling():  # one node: `comm.moe.compiled`
+        received, rows = compiled.dispatch_exchange(
+            counts_with_flags(counts_table, bad_ids), send_rows, base, check_ids, num_experts)
+        order_token = None
+    else:
+        received, counts_work = exchange_counts(counts_table, bad_ids, base, async_op=True)
+        rows, order_token = exchange_rows(send_rows, None, None, base)
+        assert counts_work is not None
+        counts_work.wait(yield_first=False)
+        if check_ids and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            raise_if_bad_ids(received[:, -1].tolist(), -1, num_experts)
     # rows: [W sources, E_local, capacity, H] -> [E_local, W * capacity, H]
     recv_x = rows.view(world_size, num_local_experts, capacity, -1).transpose(0, 1)
     recv_x = recv_x.reshape(num_local_experts, world_size * capacity, -1)
@@ -156,10 +163,13 @@ def combine_fixed(
     # Back to the send layout [W, E_local, capacity, H]: each rank its own rows.
     blocks = expert_out.view(handle.num_local_experts, world_size, handle.capacity, -1)
     blocks = blocks.transpose(0, 1).reshape(-1, expert_out.shape[2])
-    anchor = handle.order_token
-    if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
-        anchor = torch.zeros(0, device=expert_out.device, requires_grad=True)
-    returned, _ = exchange_rows(blocks, None, None, handle.group, anchor)
+    if torch.compiler.is_compiling():
+        returned = compiled.exchange_rows(blocks, handle.group)
+    else:
+        anchor = handle.order_token
+        if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
+            anchor = torch.zeros(0, device=expert_out.device, requires_grad=True)
+        returned, _ = exchange_rows(blocks, None, None, handle.group, anchor)
     padded = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])
     per_pair = padded.index_select(0, handle.slot_of_pair)
     # Zero weights for unsent pairs: their zero row times any weight (inf included) is 0.

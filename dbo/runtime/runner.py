@@ -195,8 +195,8 @@ class UBatchRunner:
     ) -> list[Any]:
         """Run `fn(*args_i, **kwargs_i)` in ubatch thread i; return the outputs in order.
 
-        `backward_per_ubatch`: the caller runs each ubatch's autograd backward in its
-        ubatch thread (`dbo.overlap` does), so `dbo.backward_state()` is per ubatch.
+        `backward_per_ubatch`: the caller runs each ubatch's autograd backward as its own
+        sequence (`dbo.overlap`'s node does), so `dbo.backward_state()` is per ubatch.
 
         `device` picks the ubatch streams for this run when the runner has none of its
         own; by default, the device of the first CUDA tensor in the inputs (else CPU). A

@@ -2,7 +2,9 @@
 is one node (`comm.compiled`), no graph break, and under `dbo.overlap` the node still
 yields while in flight (the baton passes at each exchange), with results equal to the
 compiled code on the ubatches in turn; a compiled tensor-parallel block trains so, its
-backward exchanges in the ubatch threads."""
+backward exchanges in the ubatch threads; the README's MoE layer on the fixed-shape path
+(`comm.moe.dispatch_fixed`/`combine_fixed`, `comm.moe.compiled`) compiles whole and
+trains so too."""
 
 from __future__ import annotations
 
@@ -52,6 +54,76 @@ class _ParallelMLP(torch.nn.Module):
         return x + SumInForward.apply(self.down(h))
 
 
+class _FixedMoELayer(torch.nn.Module):
+    """The README's MoE layer on the fixed-shape path: blocks of `capacity` rows per
+    (source rank, expert), one Linear per local expert."""
+
+    def __init__(self, hidden: int = 16, num_experts: int = 4, topk: int = 2) -> None:
+        super().__init__()
+        self.num_experts, self.topk = num_experts, topk
+        self.mix = torch.nn.Linear(hidden, hidden)
+        self.router = torch.nn.Linear(hidden, num_experts)
+        local = num_experts // torch.distributed.get_world_size()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(x)
+        weights, ids = self.router(x).softmax(-1).topk(self.topk)
+        recv, _, handle = comm.moe.dispatch_fixed(x, ids, self.num_experts, x.shape[0])
+        out = torch.stack([expert(recv[e]) for e, expert in enumerate(self.experts)])
+        return x + comm.moe.combine_fixed(out, handle, weights)
+
+
+def _train(step: Any, model: torch.nn.Module, x: torch.Tensor) -> tuple[list[Any], Any]:
+    """The gradients of `(step(x) ** 2).sum()` for `x` and `model`, and the backward's
+    waits per ubatch."""
+    model.zero_grad(set_to_none=True)
+    inputs = x.clone().requires_grad_()
+    loss = (step(inputs) ** 2).sum()
+    with dbo.trace() as timeline:
+        loss.backward()
+    waits = {u: t.waits for u, t in timeline.totals().items()}
+    return [inputs.grad, *(p.grad for p in model.parameters())], waits
+
+
+def _fixed_moe_checks(x: torch.Tensor) -> dict[str, Any]:
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(_FixedMoELayer(), _FixedMoELayer())
+    found: dict[str, Any] = {"moe graph breaks": torch._dynamo.explain(model)(x[:4])
+                             .graph_break_count}
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+    with torch.no_grad():
+        want = _in_turn(compiled)(x)
+        with dbo.trace() as timeline:
+            got = dbo.overlap(compiled, timeout_s=TIMEOUT_S)(x)
+        found["moe equal"] = torch.equal(got, want)
+        found["moe close to eager"] = torch.allclose(want, _in_turn(model)(x), atol=1e-5)
+    found["moe turns"] = {u: t.turns for u, t in timeline.totals().items()}
+    overlapped, found["moe backward waits"] = _train(
+        dbo.overlap(compiled, timeout_s=TIMEOUT_S), model, x)
+    in_turn, _ = _train(_in_turn(compiled), model, x)
+    eager, _ = _train(_in_turn(model), model, x)
+    found["moe training equal"] = all(map(torch.equal, overlapped, in_turn))
+    found["moe training close to eager"] = all(
+        torch.allclose(a, b, atol=1e-5) for a, b in zip(in_turn, eager))
+    # One backward over both ubatches' graphs could order their exchanges differently per
+    # rank: refused, on every rank, before any exchange.
+    try:
+        dbo.overlap(compiled, timeout_s=TIMEOUT_S, overlap_backward=False)(x.requires_grad_())
+        found["moe shared backward"] = "ran"
+    except RuntimeError as error:
+        found["moe shared backward"] = str(error)
+    bad = torch.full((4, 2), 7)
+    try:
+        torch.compile(lambda t, ids: comm.moe.dispatch_fixed(t, ids, 4, 4)[0],
+                      fullgraph=True, backend="aot_eager")(x[:4], bad)
+        found["moe bad ids"] = "ran"
+    except ValueError as error:
+        found["moe bad ids"] = str(error)
+    return found
+
+
 def _in_turn(fn: Any) -> Any:
     return lambda x: torch.cat([fn(part) for part in x.tensor_split(2)])
 
@@ -79,16 +151,10 @@ def _compile_checks() -> dict[str, Any]:
     torch.manual_seed(1)
     mlp = torch.nn.Sequential(_ParallelMLP(), _ParallelMLP())
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
-    grads = []
-    for step in (dbo.overlap(compiled, timeout_s=TIMEOUT_S), _in_turn(compiled)):
-        mlp.zero_grad(set_to_none=True)
-        inputs = x.clone().requires_grad_()
-        loss = (step(inputs) ** 2).sum()
-        with dbo.trace() as timeline:
-            loss.backward()
-        grads.append([inputs.grad, *(p.grad for p in mlp.parameters())])
-        found.setdefault("backward waits", {u: t.waits for u, t in timeline.totals().items()})
-    found["training equal"] = all(torch.equal(a, b) for a, b in zip(*grads))
+    overlapped, found["backward waits"] = _train(
+        dbo.overlap(compiled, timeout_s=TIMEOUT_S), mlp, x)
+    in_turn, _ = _train(_in_turn(compiled), mlp, x)
+    found["training equal"] = all(map(torch.equal, overlapped, in_turn))
     # A group the compiled node cannot name back is refused when the node runs.
     subgroup = torch.distributed.new_group([0, 1])
     torch._dynamo.reset()
@@ -103,6 +169,7 @@ def _compile_checks() -> dict[str, Any]:
         found["unknown group"] = "ran"
     except ValueError as error:
         found["unknown group"] = str(error)
+    found.update(_fixed_moe_checks(x))
     return found
 
 
@@ -119,3 +186,13 @@ def test_comm_collectives_compile_whole_and_still_overlap_under_dbo() -> None:
         assert waits.get(0, 0) >= 2 and waits.get(1, 0) >= 2, waits
         assert waits.get(dbo.tracing.CALLER, 0) == 0, waits
         assert "comm.ubatch_groups(group)" in found["unknown group"], found["unknown group"]
+        assert found["moe graph breaks"] == 0, (rank, found)
+        assert found["moe equal"] and found["moe close to eager"], (rank, found)
+        # Two layers of two exchanges (dispatch's pair launched together: one turn).
+        assert found["moe turns"] == {0: 5, 1: 5}, (rank, found)
+        assert found["moe training equal"] and found["moe training close to eager"], found
+        waits = found["moe backward waits"]
+        assert waits.get(0, 0) >= 4 and waits.get(1, 0) >= 4, waits
+        assert waits.get(dbo.tracing.CALLER, 0) == 0, waits
+        assert "overlap_backward=True" in found["moe shared backward"], found
+        assert "rank(s) [0, 1] passed expert ids outside it" in found["moe bad ids"], found
