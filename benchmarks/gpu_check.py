@@ -6,8 +6,9 @@
 The steps (STEPS), each a subprocess with a timeout of its own: the preflight (torch sees
 a CUDA device; if not, the report says so and nothing else runs), `pytest -m gpu`, the
 fixed-shape MoE path under `set_sync_debug_mode("error")`, the MoE example on one NCCL
-rank (dynamic and fixed-shape), eager vs graph-replayed DBO at decode sizes, a captured
-decode step of a Hugging Face MoE model against eager DBO generation, bf16 GEMMs
+rank (dynamic and fixed-shape), the training examples, the demo MoE compiled, eager vs
+graph-replayed DBO at decode sizes, a captured decode step of a Hugging Face MoE model
+against eager DBO generation, bf16 GEMMs
 against `EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
 `num_alloc_retries`. Before them, the wheels `benchmarks/gpu_wheels.py` downloads (a
 tested `transformers`; bench-out/gpu-wheels, carried with the checkout) are installed into
@@ -328,6 +329,22 @@ def _train_fsdp(result: Result) -> tuple[list[Row], list[str]]:
             ], problems
 
 
+def _compiled(result: Result) -> tuple[list[Row], list[str]]:
+    problems = []
+    if result["graph_breaks"]:
+        problems.append(f"{result['graph_breaks']} graph break(s) in the compiled MoE model")
+    if not result["equal"]:
+        problems.append("compiled DBO differs from the compiled model on the ubatches in turn")
+    ms = result["ms"]
+    return [("the demo MoE compiled (inductor, fullgraph) on NCCL (one rank): over eager in "
+             "turn / under DBO; DBO over in turn, compiled",
+             f"{ms['eager in turn'] / ms['compiled in turn']:.2f}x / "
+             f"{ms['eager DBO'] / ms['compiled DBO']:.2f}x; "
+             f"{ms['compiled in turn'] / ms['compiled DBO']:.2f}x",
+             f"median ms per step; graph breaks {result['graph_breaks']}; equal to compiled "
+             f"in turn: {result['equal']}")], problems
+
+
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
 STEPS = (
     Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
@@ -349,6 +366,9 @@ STEPS = (
     Step("train-fsdp", "the MoE training example under FSDP2 on NCCL",
          ("examples/train_fsdp.py", "--steps", "8", "--tokens", "1024", "--json"), 25,
          _train_fsdp, world_of_one=True),
+    Step("compiled", "the demo MoE compiled with inductor on NCCL, eager and under DBO",
+         ("benchmarks/moe_compiled.py", "--steps", "10", "--json"), 45, _compiled,
+         world_of_one=True),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
          ("benchmarks/graph_replay.py", "--json"), 30, _graph),
     Step("generate-graph", "a captured decode step of a HF MoE model vs eager DBO generation",

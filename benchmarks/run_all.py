@@ -207,6 +207,20 @@ def _train_fsdp_rows(result: dict[str, Any]) -> list[Row]:
     )]
 
 
+def _compiled_rows(result: dict[str, Any]) -> list[Row]:
+    ms = result["ms"]
+    return [(
+        f"`moe_compiled.py`, the demo MoE compiled ({result['backend']}, fullgraph) vs eager: "
+        "in turn / DBO; DBO vs the same ubatches in turn: eager / compiled",
+        f"{ms['eager in turn'] / ms['compiled in turn']:.2f}x / "
+        f"{ms['eager DBO'] / ms['compiled DBO']:.2f}x; "
+        f"{ms['eager in turn'] / ms['eager DBO']:.2f}x / "
+        f"{ms['compiled in turn'] / ms['compiled DBO']:.2f}x",
+        f"host time per step; graph breaks {result['graph_breaks']} (goal 0); compiled DBO "
+        f"equal to compiled in turn bit for bit: {result['equal']}",
+    )]
+
+
 _OVERLAP_CONFIGS = ",".join(
     f"{size:g}:{size:g}:{u}" for u in OVERLAP_UBATCHES for size in OVERLAP_SIZES_MS
 )
@@ -225,6 +239,7 @@ ITEMS = (
     _example("demo", "examples/moe_overlap.py", "5", goals=True),
     Item("moe-paths", "benchmarks/moe_paths.py", (), ("--tokens", "64", "--steps", "5"),
          _moe_path_rows),
+    Item("compiled", "benchmarks/moe_compiled.py", (), ("--steps", "5"), _compiled_rows),
     _example("tp", "examples/tensor_parallel_mlp.py", "5"),
     _example("hf", "examples/hf_moe.py", "5"),
     Item("generate", "examples/generate.py", ("--spawn", "2"),

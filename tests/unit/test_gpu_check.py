@@ -374,6 +374,9 @@ def test_without_its_junit_file_the_pytest_step_reads_the_verbose_log(tmp_path: 
         ("moe-fixed", {"backend": "gloo", "device": "cpu", "bitwise_equal": True,
                        "allclose_vs_unsplit": True, "tokens": 256, "speedup": 1.0,
                        "speedup_vs_split": 1.2}, "ran with gloo on cpu, not NCCL"),
+        ("compiled", {"graph_breaks": 2, "equal": True, "ms": dict.fromkeys(
+            ("eager in turn", "eager DBO", "compiled in turn", "compiled DBO"), 1.0)},
+         "2 graph break(s) in the compiled MoE model"),
         ("workspace", {"rows": [{"device": "cpu", "case": "small", "workspace_us": 1.0,
                                  "empty_us": 2.0}]}, "no CUDA rows"),
     ],
