@@ -14,7 +14,7 @@ Rank r owns experts `[r * E_local, (r + 1) * E_local)`. Two paths:
   expert) and device counts: no host read, shapes set by the arguments alone. For
   decode and CUDA graphs.
 - `hf`: `shard_experts(model)` routes a Hugging Face MoE model through either.
-- `compiled`: the fixed path's exchanges as ops, so `torch.compile` traces it whole.
+- `compiled`: both paths' exchanges as ops, so `torch.compile` traces them whole.
 
 Inside an overlap the all-to-alls yield while in flight; outside they block. Results
 are bitwise those of the same calls made serially. `_exchange` holds what both paths

@@ -78,6 +78,41 @@ def counts_with_flags(counts_table: torch.Tensor, bad_ids: torch.Tensor) -> torc
     return torch.cat([counts_table, bad_ids.to(torch.int64).expand(counts_table.shape[0], 1)], 1)
 
 
+Counts = list[list[int]]
+"""A dispatch's counts on the host, one list per source rank s: the rows received from s
+per local expert, then the rows sent to s."""
+
+
+def splits_of(counts: Counts) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`(recv_splits, send_splits)`: the rows received from and sent to each rank."""
+    return tuple(sum(row[:-1]) for row in counts), tuple(row[-1] for row in counts)
+
+
+def agree_on_counts(
+    counts_table: torch.Tensor, bad_ids: torch.Tensor, group: dist.ProcessGroup,
+    num_experts: int,
+) -> tuple[torch.Tensor, Counts]:
+    """Exchange the counts (`counts_table` [W, E_local]: row r the rows for rank r's
+    experts) and every rank's bad-id flag; raise on every rank if any is set. Returns the
+    received table [W, E_local + 1] (flags last) and the `Counts`: the one host read,
+    after the exchange (which yields inside an overlap, so the other ubatch's work is
+    queued before this thread waits)."""
+    received, _ = exchange_counts(counts_table, bad_ids, group)
+    rows = torch.cat([received, counts_table.sum(dim=1, keepdim=True)], dim=1).tolist()
+    raise_if_bad_ids([row[-2] for row in rows], 0, num_experts)
+    return received, [[*row[:-2], row[-1]] for row in rows]
+
+
+def refuse_capture() -> None:
+    """`dispatch` under `dbo.capture_graph`: RuntimeError naming the fixed-shape path."""
+    if dbo.capturing():
+        raise RuntimeError(
+            "comm.moe.dispatch cannot be captured in a CUDA graph (dbo.capture_graph): it "
+            "reads the routing counts on the host and its output shapes depend on them. Use "
+            "comm.moe.dispatch_fixed / comm.moe.combine_fixed (fixed shapes, no host read)"
+        )
+
+
 def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
     """ValueError on every rank when any rank's flag is set: every rank read the same
     flags from the counts exchange, so none is left waiting in the next collective."""

@@ -10,17 +10,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import dbo
 from comm._checks import resolve_group
 from comm.collectives import unchecked_all_reduce
+from comm.moe import compiled
 from comm.moe._exchange import (
+    agree_on_counts,
     check_combine,
     check_dispatch,
-    exchange_counts,
     exchange_rows,
-    raise_if_bad_ids,
+    refuse_capture,
     run_has_order_token,
     sort_by_expert,
+    splits_of,
     weighted_sum,
 )
 
@@ -36,19 +37,25 @@ class DispatchHandle:
     num_local_experts: int  # E_local: experts per rank
     sort_order: torch.Tensor
     """[T * K] int64: sent row j is the (token, k) pair `sort_order[j]` = `token * K + k`."""
-    send_splits: tuple[int, ...]  # rows sent to each rank
-    recv_splits: tuple[int, ...]  # rows received from each rank
-    num_recv_tokens_per_expert: torch.Tensor
-    """[world_size, E_local] int64 on the host: the rows received per source and expert."""
+    counts: torch.Tensor
+    """[world_size, E_local + 1] int64 on the host: row s the rows received from rank s
+    per local expert, then the rows sent to rank s."""
+    num_recv_tokens: int
+    """Rows of `recv_x`, and of the `expert_out` that `combine` expects (under
+    torch.compile a size known when the code runs)."""
     order_token: torch.Tensor | None = None  # dispatch's (module docstring); None: no graph
+    send_splits: tuple[int, ...] = ()
+    """Rows sent to each rank (host ints; under torch.compile empty: see `counts`)."""
+    recv_splits: tuple[int, ...] = ()
+    """Rows received from each rank (as `send_splits`)."""
     rows_per_local_expert: tuple[int, ...] = ()
-    """Rows of `recv_x` per local expert, over all sources (host ints: grouping the rows
-    by expert needs no host read)."""
+    """Rows of `recv_x` per local expert, over all sources (as `send_splits`: grouping the
+    rows by expert needs no host read)."""
 
     @property
-    def num_recv_tokens(self) -> int:
-        """Rows of `recv_x`, and of the `expert_out` that `combine` expects."""
-        return sum(self.recv_splits)
+    def num_recv_tokens_per_expert(self) -> torch.Tensor:
+        """[world_size, E_local] int64 on the host: the rows received per source and expert."""
+        return self.counts[:, :-1]
 
 
 def dispatch(
@@ -73,14 +80,12 @@ def dispatch(
     after the counts exchange (one synchronization on CUDA). TypeError / ValueError
     before any communication for a bad shape, dtype, device or `num_experts`; an
     expert id outside `[0, num_experts)` on any rank raises ValueError on every rank
-    after the counts exchange. Under CUDA-graph capture use `dispatch_fixed`.
+    after the counts exchange. Under CUDA-graph capture use `dispatch_fixed`. Under
+    `torch.compile` the exchanges are one node (`comm.moe.compiled`), R a size known when
+    it runs, and the handle's split tuples empty (its `counts` hold them).
     """
-    if dbo.capturing():
-        raise RuntimeError(
-            "comm.moe.dispatch cannot be captured in a CUDA graph (dbo.capture_graph): it "
-            "reads the routing counts on the host and its output shapes depend on them. Use "
-            "comm.moe.dispatch_fixed / comm.moe.combine_fixed (fixed shapes, no host read)"
-        )
+    if not torch.compiler.is_compiling():  # else its node refuses, when it runs
+        refuse_capture()
     base = resolve_group(group)
     world_size = base.size()
     x, topk_ids, num_experts = check_dispatch(x, topk_ids, num_experts, world_size)
@@ -94,25 +99,26 @@ def dispatch(
     # Rank r gets the counts of its experts, [r * E_local, (r + 1) * E_local), and every
     # rank's flag.
     counts_table = counts[:num_experts].view(world_size, num_local_experts)
-    received, _ = exchange_counts(counts_table, ~valid.all(), base)
-    # The one host read, after the counts exchange (which yields inside an overlap, so
-    # the other ubatch's work is queued before this thread waits): splits both ways.
-    # Row s: the rows rank s sends to each local expert, its flag, the rows for rank s.
-    rows = torch.cat([received, counts_table.sum(dim=1, keepdim=True)], dim=1).tolist()
-    raise_if_bad_ids([row[-2] for row in rows], 0, num_experts)
-    send_splits = tuple(row[-1] for row in rows)
-    recv_counts = [row[:-2] for row in rows]
-    recv_splits = tuple(map(sum, recv_counts))
-
-    recv_x, order_token = exchange_rows(send_rows, recv_splits, send_splits, base)
+    if torch.compiler.is_compiling():  # one node: `comm.moe.compiled`
+        recv_x, received, host_counts = compiled.dispatch_rows(
+            counts_table, ~valid.all(), send_rows, base, num_experts)
+        order_token = None
+        splits: tuple[tuple[int, ...], ...] = ((), (), ())
+    else:
+        received, counts_list = agree_on_counts(counts_table, ~valid.all(), base, num_experts)
+        recv_splits, send_splits = splits_of(counts_list)
+        recv_x, order_token = exchange_rows(send_rows, recv_splits, send_splits, base)
+        host_counts = torch.tensor(counts_list, dtype=torch.int64)
+        # One list per source rank: never empty.
+        per_expert = tuple(map(sum, zip(*(row[:-1] for row in counts_list))))
+        splits = (send_splits, recv_splits, per_expert)
     recv_local_expert_ids = torch.repeat_interleave(
         torch.arange(num_local_experts, device=x.device).repeat(world_size),
         received[:, :-1].reshape(-1), output_size=recv_x.shape[0],
     )
     handle = DispatchHandle(
-        base, num_tokens, topk, num_local_experts, sort_order, send_splits, recv_splits,
-        torch.tensor(recv_counts, dtype=torch.int64), order_token,
-        tuple(map(sum, zip(*recv_counts))),  # one list per source rank: never empty
+        base, num_tokens, topk, num_local_experts, sort_order, host_counts, recv_x.shape[0],
+        order_token, *splits,
     )
     return recv_x, recv_local_expert_ids, handle
 
@@ -137,12 +143,15 @@ def combine(
         expert_out, topk_weights, handle, (handle.num_recv_tokens,), "num_recv_tokens",
         handle.sort_order,
     )
-    anchor = handle.order_token
-    if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
-        anchor = _agree_on_grad(expert_out, handle.group)
-    returned, _ = exchange_rows(
-        expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor
-    )
+    if torch.compiler.is_compiling():  # one node: `comm.moe.compiled`
+        returned = compiled.return_rows(
+            expert_out, handle.counts, handle.sort_order.shape[0], handle.group)
+    else:
+        anchor = handle.order_token
+        if anchor is None and torch.is_grad_enabled() and not run_has_order_token():
+            anchor = _agree_on_grad(expert_out, handle.group)
+        returned, _ = exchange_rows(
+            expert_out, handle.send_splits, handle.recv_splits, handle.group, anchor)
     # Row j came back for the pair sort_order[j]: put the pairs back in (token, k) order.
     per_pair = torch.empty_like(returned).index_copy_(0, handle.sort_order, returned)
     return weighted_sum(per_pair, topk_weights)

@@ -54,9 +54,8 @@ class _ParallelMLP(torch.nn.Module):
         return x + SumInForward.apply(self.down(h))
 
 
-class _FixedMoELayer(torch.nn.Module):
-    """The README's MoE layer on the fixed-shape path: blocks of `capacity` rows per
-    (source rank, expert), one Linear per local expert."""
+class _MoELayer(torch.nn.Module):
+    """The README's MoE layer: a dense part, a router, one Linear per local expert."""
 
     def __init__(self, hidden: int = 16, num_experts: int = 4, topk: int = 2) -> None:
         super().__init__()
@@ -65,6 +64,20 @@ class _FixedMoELayer(torch.nn.Module):
         self.router = torch.nn.Linear(hidden, num_experts)
         local = num_experts // torch.distributed.get_world_size()
         self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(x)
+        weights, ids = self.router(x).softmax(-1).topk(self.topk)
+        recv, local_ids, handle = comm.moe.dispatch(x, ids, self.num_experts)
+        out = torch.empty_like(recv)
+        for e, expert in enumerate(self.experts):
+            out[local_ids == e] = expert(recv[local_ids == e])
+        return x + comm.moe.combine(out, handle, weights)
+
+
+class _FixedMoELayer(_MoELayer):
+    """The README's MoE layer on the fixed-shape path: blocks of `capacity` rows per
+    (source rank, expert)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mix(x)
@@ -86,41 +99,56 @@ def _train(step: Any, model: torch.nn.Module, x: torch.Tensor) -> tuple[list[Any
     return [inputs.grad, *(p.grad for p in model.parameters())], waits
 
 
-def _fixed_moe_checks(x: torch.Tensor) -> dict[str, Any]:
+def _moe_checks(layer: type[_MoELayer], x: torch.Tensor) -> dict[str, Any]:
+    """Two layers compiled with inductor: the graph breaks, then inference and training
+    under DBO against the compiled layers in turn (and eager)."""
     torch._dynamo.reset()
     torch.manual_seed(2)
-    model = torch.nn.Sequential(_FixedMoELayer(), _FixedMoELayer())
-    found: dict[str, Any] = {"moe graph breaks": torch._dynamo.explain(model)(x[:4])
-                             .graph_break_count}
+    model = torch.nn.Sequential(layer(), layer())
+    found: dict[str, Any] = {"breaks": torch._dynamo.explain(model)(x[:4]).graph_break_count}
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
     with torch.no_grad():
         want = _in_turn(compiled)(x)
         with dbo.trace() as timeline:
             got = dbo.overlap(compiled, timeout_s=TIMEOUT_S)(x)
-        found["moe equal"] = torch.equal(got, want)
-        found["moe close to eager"] = torch.allclose(want, _in_turn(model)(x), atol=1e-5)
-    found["moe turns"] = {u: t.turns for u, t in timeline.totals().items()}
-    overlapped, found["moe backward waits"] = _train(
+        found["equal"] = torch.equal(got, want)
+        found["close to eager"] = torch.allclose(want, _in_turn(model)(x), atol=1e-5)
+    found["turns"] = {u: t.turns for u, t in timeline.totals().items()}
+    overlapped, found["backward waits"] = _train(
         dbo.overlap(compiled, timeout_s=TIMEOUT_S), model, x)
     in_turn, _ = _train(_in_turn(compiled), model, x)
     eager, _ = _train(_in_turn(model), model, x)
-    found["moe training equal"] = all(map(torch.equal, overlapped, in_turn))
-    found["moe training close to eager"] = all(
+    found["training equal"] = all(map(torch.equal, overlapped, in_turn))
+    found["training close to eager"] = all(
         torch.allclose(a, b, atol=1e-5) for a, b in zip(in_turn, eager))
+    found["compiled"] = compiled
+    return found
+
+
+def _moe_path_checks(x: torch.Tensor) -> dict[str, Any]:
+    fixed = _moe_checks(_FixedMoELayer, x)
+    compiled = fixed.pop("compiled")
+    found: dict[str, Any] = {"fixed": fixed}
     # One backward over both ubatches' graphs could order their exchanges differently per
     # rank: refused, on every rank, before any exchange.
     try:
-        dbo.overlap(compiled, timeout_s=TIMEOUT_S, overlap_backward=False)(x.requires_grad_())
-        found["moe shared backward"] = "ran"
+        dbo.overlap(compiled, timeout_s=TIMEOUT_S, overlap_backward=False)(
+            x.clone().requires_grad_())
+        found["shared backward"] = "ran"
     except RuntimeError as error:
-        found["moe shared backward"] = str(error)
+        found["shared backward"] = str(error)
     bad = torch.full((4, 2), 7)
     try:
         torch.compile(lambda t, ids: comm.moe.dispatch_fixed(t, ids, 4, 4)[0],
                       fullgraph=True, backend="aot_eager")(x[:4], bad)
-        found["moe bad ids"] = "ran"
+        found["bad ids"] = "ran"
     except ValueError as error:
-        found["moe bad ids"] = str(error)
+        found["bad ids"] = str(error)
+    # The rows' count depends on the routing: dynamo records it as a size known when the
+    # code runs only with capture_dynamic_output_shape_ops (the boolean masks need it too).
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        found["dynamic"] = _moe_checks(_MoELayer, x)
+    del found["dynamic"]["compiled"]
     return found
 
 
@@ -169,7 +197,7 @@ def _compile_checks() -> dict[str, Any]:
         found["unknown group"] = "ran"
     except ValueError as error:
         found["unknown group"] = str(error)
-    found.update(_fixed_moe_checks(x))
+    found["moe"] = _moe_path_checks(x)
     return found
 
 
@@ -186,13 +214,15 @@ def test_comm_collectives_compile_whole_and_still_overlap_under_dbo() -> None:
         assert waits.get(0, 0) >= 2 and waits.get(1, 0) >= 2, waits
         assert waits.get(dbo.tracing.CALLER, 0) == 0, waits
         assert "comm.ubatch_groups(group)" in found["unknown group"], found["unknown group"]
-        assert found["moe graph breaks"] == 0, (rank, found)
-        assert found["moe equal"] and found["moe close to eager"], (rank, found)
-        # Two layers of two exchanges (dispatch's pair launched together: one turn).
-        assert found["moe turns"] == {0: 5, 1: 5}, (rank, found)
-        assert found["moe training equal"] and found["moe training close to eager"], found
-        waits = found["moe backward waits"]
-        assert waits.get(0, 0) >= 4 and waits.get(1, 0) >= 4, waits
-        assert waits.get(dbo.tracing.CALLER, 0) == 0, waits
-        assert "overlap_backward=True" in found["moe shared backward"], found
-        assert "rank(s) [0, 1] passed expert ids outside it" in found["moe bad ids"], found
+        for path, turns in (("fixed", 5), ("dynamic", 7)):
+            moe = found["moe"][path]
+            assert moe["breaks"] == 0, (rank, path, moe)
+            assert moe["equal"] and moe["close to eager"], (rank, path, moe)
+            # Two layers; each exchange one turn (dispatch_fixed's pair launched together).
+            assert moe["turns"] == {0: turns, 1: turns}, (rank, path, moe)
+            assert moe["training equal"] and moe["training close to eager"], (path, moe)
+            waits = moe["backward waits"]
+            assert waits.get(0, 0) >= 4 and waits.get(1, 0) >= 4, (path, waits)
+            assert waits.get(dbo.tracing.CALLER, 0) == 0, (path, waits)
+        assert "overlap_backward=True" in found["moe"]["shared backward"], found
+        assert "rank(s) [0, 1] passed expert ids outside it" in found["moe"]["bad ids"], found

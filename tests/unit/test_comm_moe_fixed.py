@@ -259,24 +259,3 @@ def test_a_bad_id_in_one_ubatch_raises_from_the_overlap() -> None:
 
     with pytest.raises(ValueError, match=r"\[-1, 4\); the group's rank\(s\) \[0\]"):
         dbo.overlap(layer, timeout_s=30)(x, ids, weights)
-
-
-_ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor",
-                 "test_aot_dispatch_dynamic")
-
-
-@pytest.mark.parametrize("op, args, checks", [
-    ("moe_exchange_rows", lambda group: (torch.randn(6, 3, requires_grad=True), group, True),
-     _ALL_OPCHECKS),
-    # opcheck's AOT check sums every output into one, which an int64 first output breaks.
-    ("moe_dispatch_exchange", lambda group: (
-        torch.tensor([[2, 1, 0]]), torch.randn(6, 3, requires_grad=True), group, True, 2, True),
-     _ALL_OPCHECKS[:3]),
-])
-def test_the_compiled_exchanges_are_ops_with_fake_kernels_and_gradients(
-    world_of_one: None, op: str, args: Any, checks: tuple[str, ...]
-) -> None:
-    # What torch.compile relies on: the fake kernel's shapes, the schema, the autograd
-    # registration (a world of one: the exchange is the identity, so is its gradient).
-    group = dist.group.WORLD.group_name
-    torch.library.opcheck(getattr(torch.ops.dbo_comm, op), args(group), test_utils=checks)
