@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _exchanges import SumInBackward, SumInForward
+from _exchanges import ReadmeMoELayer, SumInBackward, SumInForward
 from _spawn import expect_ok, run_world, start_together
 
 import comm
@@ -54,28 +54,7 @@ class _ParallelMLP(torch.nn.Module):
         return x + SumInForward.apply(self.down(h))
 
 
-class _MoELayer(torch.nn.Module):
-    """The README's MoE layer: a dense part, a router, one Linear per local expert."""
-
-    def __init__(self, hidden: int = 16, num_experts: int = 4, topk: int = 2) -> None:
-        super().__init__()
-        self.num_experts, self.topk = num_experts, topk
-        self.mix = torch.nn.Linear(hidden, hidden)
-        self.router = torch.nn.Linear(hidden, num_experts)
-        local = num_experts // torch.distributed.get_world_size()
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(local))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mix(x)
-        weights, ids = self.router(x).softmax(-1).topk(self.topk)
-        recv, local_ids, handle = comm.moe.dispatch(x, ids, self.num_experts)
-        out = torch.empty_like(recv)
-        for e, expert in enumerate(self.experts):
-            out[local_ids == e] = expert(recv[local_ids == e])
-        return x + comm.moe.combine(out, handle, weights)
-
-
-class _FixedMoELayer(_MoELayer):
+class _FixedMoELayer(ReadmeMoELayer):
     """The README's MoE layer on the fixed-shape path: blocks of `capacity` rows per
     (source rank, expert)."""
 
@@ -99,12 +78,12 @@ def _train(step: Any, model: torch.nn.Module, x: torch.Tensor) -> tuple[list[Any
     return [inputs.grad, *(p.grad for p in model.parameters())], waits
 
 
-def _moe_checks(layer: type[_MoELayer], x: torch.Tensor) -> dict[str, Any]:
+def _moe_checks(layer: type[ReadmeMoELayer], x: torch.Tensor) -> dict[str, Any]:
     """Two layers compiled with inductor: the graph breaks, then inference and training
     under DBO against the compiled layers in turn (and eager)."""
     torch._dynamo.reset()
     torch.manual_seed(2)
-    model = torch.nn.Sequential(layer(), layer())
+    model = torch.nn.Sequential(layer(16, 4), layer(16, 4))
     found: dict[str, Any] = {"breaks": torch._dynamo.explain(model)(x[:4]).graph_break_count}
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
     with torch.no_grad():
@@ -147,7 +126,7 @@ def _moe_path_checks(x: torch.Tensor) -> dict[str, Any]:
     # The rows' count depends on the routing: dynamo records it as a size known when the
     # code runs only with capture_dynamic_output_shape_ops (the boolean masks need it too).
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        found["dynamic"] = _moe_checks(_MoELayer, x)
+        found["dynamic"] = _moe_checks(ReadmeMoELayer, x)
     del found["dynamic"]["compiled"]
     return found
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _exchanges import SumInBackward, SumInForward
+from _exchanges import ReadmeMoELayer, SumInBackward, SumInForward
 from _spawn import expect_ok, run_world, start_together
 
 import comm
@@ -24,27 +24,6 @@ pytestmark = pytest.mark.distributed
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
-
-
-class ReadmeMoELayer(torch.nn.Module):
-    """The README's MoE layer ("Making your own model DBO-ready"), as it is printed there."""
-
-    def __init__(self, hidden: int, num_experts: int, topk: int = 2) -> None:
-        super().__init__()
-        self.num_experts, self.topk = num_experts, topk
-        self.mix = torch.nn.Linear(hidden, hidden)
-        self.router = torch.nn.Linear(hidden, num_experts)
-        local = num_experts // torch.distributed.get_world_size()
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(local))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mix(x)
-        weights, ids = self.router(x).softmax(-1).topk(self.topk)
-        recv, local_ids, handle = comm.moe.dispatch(x, ids, self.num_experts)
-        out = torch.empty_like(recv)
-        for e, expert in enumerate(self.experts):
-            out[local_ids == e] = expert(recv[local_ids == e])
-        return x + comm.moe.combine(out, handle, weights)
 
 
 class MegatronMLP(torch.nn.Module):
