@@ -9,8 +9,9 @@ graphs reach (parameters); its outputs alias the ubatches' outputs. When autogra
 reaches the node it runs `torch.autograd.grad` of each ubatch's outputs in that
 ubatch's thread (`run_ubatches`: the baton passes at the yield points of the backward,
 such as `comm.moe`'s exchanges), then returns each argument's gradient (autograd
-carries it upstream) and each parameter's, summed over the ubatches in ubatch order:
-with two ubatches the bits of autograd's own sum over the same ubatches in turn.
+carries it upstream) and each parameter's, summed over the ubatches as their backwards
+compute them (`dbo.gradient_sums`): with two ubatches the bits of autograd's own sum
+over the same ubatches in turn.
 
 Each ubatch's backward runs wholly in its thread (`set_multithreading_enabled(False)`:
 on CUDA autograd would otherwise run every ubatch's kernels on its one device thread),
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dbo import fsdp
 from dbo._torch_private import private
+from dbo.gradient_sums import GradientSums
 from dbo.split.batch import UBatchInputs, flat_arguments, flatten
 
 RunUBatches = Callable[[Callable[..., Any], UBatchInputs], list[Any]]
@@ -162,22 +164,24 @@ class _Plan:
             jobs.append(((roots, wrt, keep_graph), {}))
         return jobs
 
-    def summed(self, results: list[list[Any]]) -> tuple[list[Any], list[Any], list[Any]]:
-        """From the ubatches' gradients, emptied as they are summed: the own leaves'
-        (ubatch by ubatch), and per leaf and per edge their sum over the ubatches, in
-        ubatch order (None: no gradient)."""
+    def leaf_sums(self) -> GradientSums:
+        """The sums of the leaves' gradients, which each ubatch's backward adds into."""
+        return GradientSums([self.leaves[k] for k in ubatch.leaf_at] for ubatch in self.ubatches)
+
+    def summed(
+        self, results: list[list[Any]], sums: GradientSums
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """From the ubatches' gradients: the own leaves' (ubatch by ubatch), per leaf its
+        sum from `sums` (FSDP2 units' parameters: taken already), per edge the sum over
+        the ubatches, in ubatch order (None: no gradient)."""
         own_grads: list[torch.Tensor | None] = []
-        leaf_grads: list[torch.Tensor | None] = [None] * len(self.leaves)
         edge_grads: list[torch.Tensor | None] = [None] * len(self.edges)
         for ubatch, ubatch_grads in zip(self.ubatches, results):
             num_own = len(ubatch.own)
             own_grads.extend(ubatch_grads[:num_own])
-            places = [*((leaf_grads, k) for k in ubatch.leaf_at),
-                      *((edge_grads, e) for e in ubatch.edge_at)]
-            for index, (sums, k) in enumerate(places, start=num_own):
-                grad, ubatch_grads[index] = ubatch_grads[index], None
-                _add(sums, k, grad)
-        return own_grads, leaf_grads, edge_grads
+            for e, grad in zip(ubatch.edge_at, ubatch_grads[num_own + len(ubatch.leaf_at):]):
+                _add(edge_grads, e, grad)
+        return own_grads, [sums.pop(leaf) for leaf in self.leaves], edge_grads
 
     def shared_part_backward(self, edge_grads: list[Any], leaf_grads: list[Any]) -> None:
         """The shared part's backward, once, on the gradients summed at its edges; adds
@@ -248,7 +252,7 @@ def _plan_graphs(plan: _Plan, fsdp_units: Sequence[Any]) -> None:
         met |= walked & nodes
         walked |= nodes
     if fsdp_units:
-        plan.units = fsdp.SharedBackward(fsdp_units, [leaves for leaves, _, _ in walks])
+        plan.units = fsdp.SharedBackward(fsdp_units)
     reentrant = _reentrant_checkpoint_type()
     if any(type(node) is reentrant for node in walked):
         raise ValueError(
@@ -352,18 +356,14 @@ class _UBatchesBackward(torch.autograd.Function):
         if not keep_graph:
             ctx.plan = None  # the ubatches' graphs go with their backward, as autograd's do
         jobs = plan.jobs(grads, keep_graph or plan.keep_ubatch_graphs)
-        # Lists, emptied as they are summed: a leaf's gradients go once added, so at most
-        # two copies of the parameters' gradients live, not three.
-        with plan.units or nullcontext():
+        # The leaves' gradients are summed as they come: one copy of them at the peak.
+        sums = plan.leaf_sums()
+        with sums, plan.units.summing(sums) if plan.units else nullcontext():
             if plan.in_turn:
                 results = [list(_ubatch_backward(*args)) for args, _ in jobs]
             else:
                 results = [list(result) for result in plan.run_ubatches(_ubatch_backward, jobs)]
-        own_grads, leaf_grads, edge_grads = plan.summed(results)
-        if plan.units is not None:  # their gradients went to FSDP2's units (`dbo.fsdp`)
-            units = plan.units.leaf_ids
-            leaf_grads = [None if id(leaf) in units else grad
-                          for leaf, grad in zip(plan.leaves, leaf_grads)]
+        own_grads, leaf_grads, edge_grads = plan.summed(results, sums)
         plan.shared_part_backward(edge_grads, leaf_grads)
         return (None, *own_grads, *leaf_grads)
 

@@ -5,7 +5,11 @@ Forward: FSDP2 gathers a unit's parameters in its forward pre-hook and, with
 a unit together (one waits at an exchange while the other computes), so the first to
 leave would free what the other still computes with. `SharedUnits` keeps a unit's
 parameters gathered until its last ubatch has left it: one all-gather and one reshard
-per unit per overlapped forward, however many ubatches. FSDP2 has no public way to
+per unit per overlapped forward, however many ubatches. And the ubatches take turns per
+unit: a yield as each enters one (a global forward pre-hook, before FSDP2's own), so the
+first cannot gather every unit before the other has left the first (measured, 16 units
+and no other yield: the forward's peak 4.7x the whole batch's, the backward's 3.3x;
+`benchmarks/backward_memory.py --wrapper fsdp`). FSDP2 has no public way to
 hold a unit's post-forward work back, so `_Held` reads and sets its internals (each
 exists in torch 2.11 and 2.13; the distributed tests check the behaviour): a unit's
 `_get_fsdp_state()`, the state's `_fsdp_param_groups` (2.13; `_fsdp_param_group`
@@ -20,14 +24,14 @@ another is inside it. Each ubatch's backward (`torch.autograd.grad`, in its thre
 captures the parameters' gradients, and dbo's node would hand them to autograd only
 after every ubatch's. `SharedBackward` makes one backward through each unit of the
 units the forward ran (`SharedUnits.units`): the first ubatch's hook unshards (FSDP2
-does not unshard twice); FSDP2's post-backward nodes do nothing while the ubatches run;
-a hook on each unit parameter sums the ubatches' gradients as they come, and when the
+does not unshard twice), each after a yield, as in the forward; FSDP2's post-backward nodes do nothing while the ubatches run;
+the node sums every leaf's gradients as they come (`dbo.gradient_sums`), and when the
 last gradient a unit expects has come (one per parameter per ubatch whose graph reaches
-it) it hands FSDP2 the sums as `.grad` and runs its post-backward: one reduce-scatter
+it) this hands FSDP2 the sums as `.grad` and runs its post-backward: one reduce-scatter
 per unit, as soon as every ubatch's backward has left it, while the other units'
 backwards go on. FSDP2's end-of-backward callback, which a ubatch's backward would run
 at its own end, runs once, at the end of the caller's backward. Internals again: a
-group's `post_backward` (shadowed on the instance while the ubatches run),
+group's `pre_backward` and `post_backward` (shadowed on the instance while the ubatches run),
 `fsdp_params` and `unsharded_param`, the state context's `all_states` and
 `post_backward_final_callback_queued`, and the root's `_root_post_backward_final_callback`.
 
@@ -48,7 +52,9 @@ from typing import Any
 import torch
 
 from dbo._torch_private import private
+from dbo.gradient_sums import GradientSums
 from dbo.runtime.context import current_context
+from dbo.ubatch import yield_
 
 
 def in_use() -> bool:
@@ -95,18 +101,28 @@ class SharedUnits:
         """The units the ubatches ran, in the order they first left them."""
 
     def __enter__(self) -> SharedUnits:
-        self._hook = torch.nn.modules.module.register_module_forward_hook(self._leave)
+        module = torch.nn.modules.module
+        self._hooks = (module.register_module_forward_pre_hook(self._enter),
+                       module.register_module_forward_hook(self._leave))
         return self
 
     def __exit__(self, *exc: object) -> None:
         """Units some ubatch never left (a ubatch that took another branch, or failed)
         get their setting back and are resharded now."""
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         for unit, held in self._held.items():
             held.put_back(last=False)
             if any(mesh is not None for _, mesh in held.meshes):
                 unit.reshard()  # type: ignore[operator]
         self._held.clear()
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        """Before FSDP2's own pre-hook (global hooks run first): the ubatches take turns
+        per unit, so that each leaves a unit soon after the other instead of gathering
+        every unit before the other has left the first."""
+        if isinstance(module, self._fsdp_module) and current_context() is not None:
+            yield_()
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         """Runs before the unit's own post-hooks (global hooks run first)."""
@@ -164,12 +180,11 @@ def _param_groups(state: Any) -> list[Any]:
 
 class SharedBackward:
     """The backward of the FSDP2 `units` one overlapped forward ran, shared by its
-    ubatches (see the module's docstring): `with shared:` around the ubatches'
-    backwards. `leaves_per_ubatch`: the leaves each ubatch's graph reaches; `leaf_ids`:
-    `id()` of every unit parameter, whose gradients reach FSDP2 here, not through dbo's
-    node."""
+    ubatches (see the module's docstring): `with shared.summing(sums):` around the
+    ubatches' backwards, where `sums` (`dbo.gradient_sums`) sums every leaf's gradients;
+    the units' parameters' sums go to FSDP2 here, not through dbo's node."""
 
-    def __init__(self, units: Iterable[Any], leaves_per_ubatch: Iterable[Iterable[Any]]) -> None:
+    def __init__(self, units: Iterable[Any]) -> None:
         states = [unit._get_fsdp_state() for unit in units]
         self._context = states[0]._state_ctx
         self._groups = list(dict.fromkeys(g for state in states for g in _param_groups(state)))
@@ -177,70 +192,70 @@ class SharedBackward:
                                    if hasattr(param, "_unsharded_param")]
                            for group in self._groups}
         """Param group -> its unsharded parameters (the leaves the ubatches' graphs reach)."""
-        self._params = {id(param): (group, param)
-                        for group, params in self._params_of.items() for param in params}
-        self.leaf_ids = frozenset(self._params)
-        self._expected: dict[Any, int] = dict.fromkeys(self._groups, 0)
-        """Param group -> how many gradients of its parameters the ubatches' backwards
-        give (one per parameter per ubatch whose graph reaches it)."""
-        for leaves in leaves_per_ubatch:
-            for leaf in leaves:
-                if id(leaf) in self._params:
-                    self._expected[self._params[id(leaf)][0]] += 1
-        self._summed: dict[int, torch.Tensor] = {}
-        """id(parameter) -> the sum of the ubatches' gradients so far."""
-        self._given: dict[Any, int] = {}
-        """Param group -> how many of its gradients have come."""
+        self._group_of = {id(param): group
+                          for group, params in self._params_of.items() for param in params}
+
+    def summing(self, sums: GradientSums) -> SharedBackward:
+        """Release each unit from `sums` when the last gradient of its parameters that the
+        ubatches' backwards give has come."""
+        self._sums = sums
+        self._pending = {group: sum(1 for param in params if sums.expected[id(param)])
+                         for group, params in self._params_of.items()}
+        """Param group -> its parameters with gradients still to come."""
+        return self
 
     def __enter__(self) -> SharedBackward:
-        self._summed.clear()  # a backward again (retain_graph=True) starts afresh
-        self._given = dict.fromkeys(self._groups, 0)
         # FSDP2's end-of-backward work runs once, after the ubatches (`__exit__`).
         self._queued = self._context.post_backward_final_callback_queued
         self._context.post_backward_final_callback_queued = True
-        self._hooks = [param.register_hook(functools.partial(self._capture, key))
-                       for key, (_, param) in self._params.items()]
+        self._sums.on_last = self._param_done
+        self._released: set[Any] = set()
         for group in self._groups:  # the units' post-backward nodes: released here instead
             group.post_backward = _not_yet
+            group.pre_backward = functools.partial(_in_turns, group)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for hook in self._hooks:
-            hook.remove()
+        self._sums.on_last = None
         for group in self._groups:
-            del group.post_backward  # FSDP2's own method again
+            del group.post_backward, group.pre_backward  # FSDP2's own methods again
         if exc[0] is not None:  # the backward fails: FSDP2's own end-of-backward does not run
             self._context.post_backward_final_callback_queued = self._queued
             return
         for group in self._groups:
-            if self._given[group] < self._expected[group] or not self._expected[group]:
-                self._release(group)  # gradients that did not come, or a unit not reached
+            if group not in self._released:  # gradients that did not come, or not reached
+                self._release(group)
         if not self._queued:
             root = next(state for state in self._context.all_states if state._is_root)
             private.backward_engine.queue_callback(root._root_post_backward_final_callback)
 
-    def _capture(self, key: int, grad: torch.Tensor) -> torch.Tensor:
-        """A ubatch's gradient for a unit parameter, summed here (what its backward
-        returns for it is a zero of no memory); the unit's last one releases it."""
-        total = self._summed.get(key)
-        self._summed[key] = grad if total is None else total + grad
-        group = self._params[key][0]
-        self._given[group] += 1
-        if self._given[group] == self._expected[group]:
-            self._release(group)
-        return grad.new_zeros(()).expand_as(grad)
+    def _param_done(self, key: int) -> None:
+        group = self._group_of.get(key)
+        if group is not None:
+            self._pending[group] -= 1
+            if not self._pending[group]:
+                self._release(group)
 
     def _release(self, group: Any) -> None:
         """The unit's summed gradients to its parameters' `.grad` (added, as autograd
         accumulates), then FSDP2's post-backward: one reduce-scatter, the reshard."""
+        self._released.add(group)
         for param in self._params_of[group]:
-            grad = self._summed.pop(id(param), None)
+            grad = self._sums.pop(param)
             if grad is not None:
                 if param.grad is None:
                     param.grad = grad
                 else:
                     param.grad += grad
         type(group).post_backward(group)
+
+
+def _in_turns(group: Any, *args: Any, **kwargs: Any) -> None:
+    """A unit's pre-backward (its unshard) while the ubatches' backwards run: after a
+    yield, as `SharedUnits._enter`, so each ubatch's backward leaves a unit soon after
+    the other and the unit's sums go to FSDP2 before the next units are gathered."""
+    yield_()
+    type(group).pre_backward(group, *args, **kwargs)
 
 
 def _not_yet(*unused: Any) -> None:

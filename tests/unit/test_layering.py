@@ -15,6 +15,7 @@ PARTS = (  # lowest first; a module belongs to the first part whose prefix it ha
     ("split", ("dbo.split",)),
     ("runtime", ("dbo.runtime",)),
     ("ubatch", ("dbo.ubatch",)),
+    ("gradient sums", ("dbo.gradient_sums",)),
     ("fsdp", ("dbo.fsdp",)),
     ("call", ("dbo._decide", "dbo.backward")),
     ("overlap", ("dbo.overlap",)),

@@ -1,0 +1,150 @@
+"""Peak memory of an overlapped backward against the same model without DBO, on the CPU.
+
+    .venv/bin/python benchmarks/backward_memory.py                  # 16 linears of 1024 x 1024
+    .venv/bin/python benchmarks/backward_memory.py --wrapper fsdp   # FSDP2 on 2 gloo ranks
+    .venv/bin/python benchmarks/backward_memory.py --wrapper ddp --json
+
+A stack of `--layers` bias-free linears (fp32 parameters: `--layers` x 4 MiB at the
+default width) and a small batch, so the parameters' gradients dominate what a backward
+allocates; `--wrapper` puts it in DDP, or shards each linear and the root with FSDP2,
+on 2 gloo ranks (else: one process). For each mode the forward's and the backward's
+peaks are measured as the process's resident-set high-water mark (Linux: reset through
+/proc/self/clear_refs before, read from /proc/self/status after) above the resident set
+when each starts, with glibc's mmap threshold fixed at 64 KiB so that a freed tensor
+leaves the resident set at once; per mode the median over `--rounds`, the largest over
+the ranks. Modes: the whole batch without DBO, the two halves in turn (one backward
+through both), and `dbo.overlap` (each ubatch's backward in its thread). Printed in MiB
+and in copies of the model's parameter bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _harness  # noqa: E402 - the examples' launcher
+
+import dbo  # noqa: E402
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fix_mmap_threshold(size: int = 64 * 1024) -> bool:
+    """Make glibc map every allocation of `size` bytes or more on its own (and unmap it
+    when freed); False where that cannot be set (not glibc)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    return bool(ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, size))
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_mib(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """`fn()`, and the resident-set peak while it runs above the resident set before it."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark := the current RSS
+    before = _status_kib("VmRSS")
+    result = fn()
+    return result, (_status_kib("VmHWM") - before) / 1024
+
+
+def _wrapped(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Module:
+    if args.wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    if args.wrapper == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            fully_shard(layer)
+        return fully_shard(model)
+    return model
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    """This rank's medians, in MiB: the model's parameters, and each mode's peak."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False)
+                                  for _ in range(args.layers)])
+    param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    model = _wrapped(args, model)
+    x = torch.randn(args.rows, args.width)
+    overlapped = dbo.overlap(model, timeout_s=args.timeout_s)
+    forwards: dict[str, Callable[[], torch.Tensor]] = {
+        "whole": lambda: model(x),
+        "in_turn": lambda: torch.cat([model(part) for part in x.tensor_split(2)]),
+        "dbo": lambda: overlapped(x),
+    }
+    peaks: dict[str, list[float]] = {f"{mode}_{part}_mib": [] for mode in forwards
+                                     for part in ("forward", "backward")}
+    for _ in range(args.rounds):
+        for mode, forward in forwards.items():
+            model.zero_grad(set_to_none=True)
+            loss, forward_mib = peak_mib(lambda forward=forward: forward().square().sum())
+            _, backward_mib = peak_mib(loss.backward)
+            peaks[f"{mode}_forward_mib"].append(forward_mib)
+            peaks[f"{mode}_backward_mib"].append(backward_mib)
+            del loss
+    return {"param_mib": param_mib, **{key: statistics.median(v) for key, v in peaks.items()}}
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    if not fix_mmap_threshold():
+        raise SystemExit("backward_memory.py needs glibc (mallopt)")
+    mine = measure(args)
+    keys = sorted(mine)
+    every = _harness.gather([mine[key] for key in keys], torch.device("cpu"))
+    result = {"wrapper": args.wrapper, "ranks": every.shape[0],
+              **{key: float(value) for key, value in zip(keys, every.max(dim=0).values)}}
+    if torch.distributed.get_rank() != 0:
+        return
+    param = result["param_mib"]
+    print(f"{args.wrapper}: parameters {param:.1f} MiB; peaks above the start, largest over "
+          f"{result['ranks']} rank(s), in MiB and in parameter copies:")
+    print(f"  {'mode':<8} {'forward':>16} {'backward':>16}")
+    for mode in ("whole", "in_turn", "dbo"):
+        mibs = [result[f"{mode}_{part}_mib"] for part in ("forward", "backward")]
+        cells = [f"{mib:7.1f} = {mib / param:.2f}x" for mib in mibs]
+        print(f"  {mode.replace('_', ' '):<8} {cells[0]:>16} {cells[1]:>16}")
+    if args.json:
+        print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--wrapper", choices=("none", "ddp", "fsdp"), default="none",
+                        help="DDP, or FSDP2 per linear and at the root, on --spawn ranks")
+    parser.add_argument("--layers", type=int, default=16, help="linears (default 16)")
+    parser.add_argument("--width", type=int, default=1024, help="their width (default 1024)")
+    parser.add_argument("--rows", type=int, default=64, help="batch rows (default 64)")
+    parser.add_argument("--rounds", type=int, default=3, help="backwards per mode (median)")
+    _harness.add_common_args(parser, default_out="bench-out/backward_memory")
+    args = parser.parse_args()
+    if not Path("/proc/self/clear_refs").exists():
+        raise SystemExit("backward_memory.py needs Linux's /proc")
+    if args.spawn is None and "RANK" not in os.environ:
+        args.spawn = 1 if args.wrapper == "none" else 2
+    _harness.launch(rank_main, args)
+
+
+if __name__ == "__main__":
+    main()
