@@ -23,15 +23,16 @@ its parameters' `.grad` (then reshards) in an autograd node on its inputs
 another is inside it. Each ubatch's backward (`torch.autograd.grad`, in its thread)
 captures the parameters' gradients, and dbo's node would hand them to autograd only
 after every ubatch's. `SharedBackward` makes one backward through each unit of the
-units the forward ran (`SharedUnits.units`): the first ubatch's hook unshards (FSDP2
-does not unshard twice), each after a yield, as in the forward; FSDP2's post-backward nodes do nothing while the ubatches run;
-the node sums every leaf's gradients as they come (`dbo.gradient_sums`), and when the
-last gradient a unit expects has come (one per parameter per ubatch whose graph reaches
-it) this hands FSDP2 the sums as `.grad` and runs its post-backward: one reduce-scatter
-per unit, as soon as every ubatch's backward has left it, while the other units'
-backwards go on. FSDP2's end-of-backward callback, which a ubatch's backward would run
-at its own end, runs once, at the end of the caller's backward. Internals again: a
-group's `pre_backward` and `post_backward` (shadowed on the instance while the ubatches run),
+units the forward ran (`SharedUnits.units`): each ubatch enters a unit's pre-backward
+after a yield, as in the forward, and the first unshards (FSDP2 does not unshard
+twice); FSDP2's post-backward nodes do nothing while the ubatches run; the node sums
+every leaf's gradients as they come (`dbo.gradient_sums`), and when the last gradient a
+unit expects has come (one per parameter per ubatch whose graph reaches it) this hands
+FSDP2 the sums as `.grad` and runs its post-backward: one reduce-scatter per unit, as
+soon as every ubatch's backward has left it, while the other units' backwards go on.
+FSDP2's end-of-backward callback, which a ubatch's backward would run at its own end,
+runs once, at the end of the caller's backward. Internals again: a group's
+`pre_backward` and `post_backward` (shadowed on the instance while the ubatches run),
 `fsdp_params` and `unsharded_param`, the state context's `all_states` and
 `post_backward_final_callback_queued`, and the root's `_root_post_backward_final_callback`.
 
