@@ -11,7 +11,8 @@ on 2 gloo ranks (else: one process). For each mode the forward's and the backwar
 peaks are measured as the process's resident-set high-water mark (Linux: reset through
 /proc/self/clear_refs before, read from /proc/self/status after) above the resident set
 when each starts, with glibc's mmap threshold fixed at 64 KiB so that a freed tensor
-leaves the resident set at once; per mode the median over `--rounds`, the largest over
+leaves the resident set at once (on CUDA: the caching allocator's peak of allocated
+bytes; under torchrun, NCCL); per mode the median over `--rounds`, the largest over
 the ranks. Modes: the whole batch without DBO, the two halves in turn (one backward
 through both), and `dbo.overlap` (each ubatch's backward in its thread). Printed in MiB
 and in copies of the model's parameter bytes.
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _harness  # noqa: E402 - the examples' launcher
 
+import comm  # noqa: E402
 import dbo  # noqa: E402
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -57,9 +59,17 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def peak_mib(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """`fn()`, and the resident-set peak while it runs above the resident set before it."""
+def peak_mib(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """`fn()`, and the peak while it runs above the memory in use before it: the resident
+    set on the CPU, the caching allocator's allocated bytes on CUDA."""
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, (torch.cuda.max_memory_allocated(device) - before) / 2**20
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark := the current RSS
     before = _status_kib("VmRSS")
     result = fn()
@@ -80,14 +90,14 @@ def _wrapped(args: argparse.Namespace, model: torch.nn.Module) -> torch.nn.Modul
     return model
 
 
-def measure(args: argparse.Namespace) -> dict[str, float]:
+def measure(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     """This rank's medians, in MiB: the model's parameters, and each mode's peak."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False)
-                                  for _ in range(args.layers)])
+                                  for _ in range(args.layers)]).to(device)
     param_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     model = _wrapped(args, model)
-    x = torch.randn(args.rows, args.width)
+    x = torch.randn(args.rows, args.width, device=device)
     overlapped = dbo.overlap(model, timeout_s=args.timeout_s)
     forwards: dict[str, Callable[[], torch.Tensor]] = {
         "whole": lambda: model(x),
@@ -99,8 +109,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     for _ in range(args.rounds):
         for mode, forward in forwards.items():
             model.zero_grad(set_to_none=True)
-            loss, forward_mib = peak_mib(lambda forward=forward: forward().square().sum())
-            _, backward_mib = peak_mib(loss.backward)
+            loss, forward_mib = peak_mib(lambda forward=forward: forward().square().sum(),
+                                         device)
+            _, backward_mib = peak_mib(loss.backward, device)
             peaks[f"{mode}_forward_mib"].append(forward_mib)
             peaks[f"{mode}_backward_mib"].append(backward_mib)
             del loss
@@ -108,12 +119,13 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    if not fix_mmap_threshold():
-        raise SystemExit("backward_memory.py needs glibc (mallopt)")
-    mine = measure(args)
+    _, _, device = comm.init_distributed()  # the world `_harness.launch` made
+    if device.type == "cpu" and not fix_mmap_threshold():
+        raise SystemExit("backward_memory.py needs glibc (mallopt) on the CPU")
+    mine = measure(args, device)
     keys = sorted(mine)
-    every = _harness.gather([mine[key] for key in keys], torch.device("cpu"))
-    result = {"wrapper": args.wrapper, "ranks": every.shape[0],
+    every = _harness.gather([mine[key] for key in keys], device)
+    result = {"wrapper": args.wrapper, "device": device.type, "ranks": every.shape[0],
               **{key: float(value) for key, value in zip(keys, every.max(dim=0).values)}}
     if torch.distributed.get_rank() != 0:
         return
@@ -139,8 +151,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="backwards per mode (median)")
     _harness.add_common_args(parser, default_out="bench-out/backward_memory")
     args = parser.parse_args()
-    if not Path("/proc/self/clear_refs").exists():
-        raise SystemExit("backward_memory.py needs Linux's /proc")
+    if not Path("/proc/self/clear_refs").exists() and not torch.cuda.is_available():
+        raise SystemExit("backward_memory.py needs Linux's /proc on the CPU")
     if args.spawn is None and "RANK" not in os.environ:
         args.spawn = 1 if args.wrapper == "none" else 2
     _harness.launch(rank_main, args)

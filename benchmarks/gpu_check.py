@@ -6,10 +6,10 @@
 The steps (STEPS), each a subprocess with a timeout of its own: the preflight (torch sees
 a CUDA device; if not, the report says so and nothing else runs), `pytest -m gpu`, the
 fixed-shape MoE path under `set_sync_debug_mode("error")`, the MoE example on one NCCL
-rank (dynamic and fixed-shape), the training examples, the demo MoE compiled, eager vs
-graph-replayed DBO at decode sizes, a captured decode step of a Hugging Face MoE model
-against eager DBO generation, bf16 GEMMs
-against `EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
+rank (dynamic and fixed-shape), the training examples, the demo MoE compiled, peak
+memory (plain and under FSDP2), eager vs graph-replayed DBO at decode sizes, a captured
+decode step of a Hugging Face MoE model against eager DBO generation, bf16 GEMMs against
+`EmulatedLink` transfers, workspace views vs `torch.empty`; then the benchmarks'
 `num_alloc_retries`. Before them, the wheels `benchmarks/gpu_wheels.py` downloads (a
 tested `transformers`; bench-out/gpu-wheels, carried with the checkout) are installed into
 OUTDIR/pylib for the steps; without a tested `transformers`, the steps that need one are
@@ -345,6 +345,25 @@ def _compiled(result: Result) -> tuple[list[Row], list[str]]:
              f"in turn: {result['equal']}")], problems
 
 
+def _memory(result: Result) -> tuple[list[Row], list[str]]:
+    problems = []
+    if result["device"] != "cuda":
+        problems.append(f"measured on {result['device']}, not cuda")
+    unit = result["param_mib"] / 16  # one of the 16 linears
+    for part in ("forward", "backward"):
+        extra = result[f"dbo_{part}_mib"] - result[f"whole_{part}_mib"]
+        if extra > 2 * unit:
+            problems.append(f"DBO's {part} peak is {extra:.1f} MiB over the whole batch's, more "
+                            f"than two linears' {2 * unit:.1f} MiB")
+    name = "under FSDP2 " if result["wrapper"] == "fsdp" else ""
+    return [(f"peak memory {name}(one rank): DBO over the whole batch, forward / backward",
+             f"{result['dbo_forward_mib'] / result['whole_forward_mib']:.2f} / "
+             f"{result['dbo_backward_mib'] / result['whole_backward_mib']:.2f}",
+             f"the caching allocator's peaks, MiB: whole {result['whole_forward_mib']:.1f} / "
+             f"{result['whole_backward_mib']:.1f}, DBO {result['dbo_forward_mib']:.1f} / "
+             f"{result['dbo_backward_mib']:.1f}; parameters {result['param_mib']:.0f}")], problems
+
+
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
 STEPS = (
     Step("preflight", "torch sees a CUDA device", ("-c", PREFLIGHT), 45, _preflight),
@@ -368,6 +387,11 @@ STEPS = (
          _train_fsdp, world_of_one=True),
     Step("compiled", "the demo MoE compiled with inductor on NCCL, eager and under DBO",
          ("benchmarks/moe_compiled.py", "--steps", "10", "--json"), 45, _compiled,
+         world_of_one=True),
+    Step("memory", "peak memory of an overlapped backward vs the whole batch",
+         ("benchmarks/backward_memory.py", "--json"), 20, _memory, world_of_one=True),
+    Step("memory-fsdp", "peak memory under FSDP2, DBO vs the whole batch",
+         ("benchmarks/backward_memory.py", "--wrapper", "fsdp", "--json"), 20, _memory,
          world_of_one=True),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
          ("benchmarks/graph_replay.py", "--json"), 30, _graph),
