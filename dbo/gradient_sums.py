@@ -64,4 +64,10 @@ class GradientSums:
             self.on_last(key)
         if grad.layout != torch.strided:  # a sparse gradient: an empty one
             return torch.zeros_like(grad)
-        return grad.new_zeros(()).expand_as(grad)
+        return _zero(grad.shape, grad.dtype, grad.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _zero(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero of `shape` that takes no memory (a scalar, expanded), made once per kind."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
