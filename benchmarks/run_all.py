@@ -223,6 +223,18 @@ def _memory_rows(result: dict[str, Any]) -> list[Row]:
     )]
 
 
+def _exposed_rows(result: dict[str, Any]) -> list[Row]:
+    cells = [f"{result[w]['whole']['exposed_ms']:.1f} / {result[w]['dbo']['exposed_ms']:.1f}"
+             for w in ("ddp", "fsdp")]
+    return [(
+        "`exposed_comm.py`: gradient communication left exposed by the backward, ms, the whole "
+        "batch / DBO: DDP; FSDP2",
+        "; ".join(cells),
+        "backward time with the wrapper's reduction minus without it (medians); under DBO "
+        "DDP's buckets reduce after the overlapped backward, FSDP2's units as they finish",
+    )]
+
+
 def _compiled_rows(result: dict[str, Any]) -> list[Row]:
     ms = result["ms"]
     return [(
@@ -257,6 +269,8 @@ ITEMS = (
          _moe_path_rows),
     Item("compiled", "benchmarks/moe_compiled.py", (), ("--steps", "5"), _compiled_rows),
     Item("memory", "benchmarks/backward_memory.py", (), ("--rounds", "1"), _memory_rows),
+    Item("exposed", "benchmarks/exposed_comm.py", ("--steps", "20"), ("--steps", "5"),
+         _exposed_rows),
     Item("memory-fsdp", "benchmarks/backward_memory.py", ("--wrapper", "fsdp"),
          ("--wrapper", "fsdp", "--rounds", "1"), _memory_rows),
     _example("tp", "examples/tensor_parallel_mlp.py", "5"),
