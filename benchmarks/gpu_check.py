@@ -349,19 +349,20 @@ def _memory(result: Result) -> tuple[list[Row], list[str]]:
     problems = []
     if result["device"] != "cuda":
         problems.append(f"measured on {result['device']}, not cuda")
-    unit = result["param_mib"] / 16  # one of the 16 linears
-    for part in ("forward", "backward"):
-        extra = result[f"dbo_{part}_mib"] - result[f"whole_{part}_mib"]
-        if extra > 2 * unit:
-            problems.append(f"DBO's {part} peak is {extra:.1f} MiB over the whole batch's, more "
-                            f"than two linears' {2 * unit:.1f} MiB")
-    name = "under FSDP2 " if result["wrapper"] == "fsdp" else ""
-    return [(f"peak memory {name}(one rank): DBO over the whole batch, forward / backward",
-             f"{result['dbo_forward_mib'] / result['whole_forward_mib']:.2f} / "
-             f"{result['dbo_backward_mib'] / result['whole_backward_mib']:.2f}",
-             f"the caching allocator's peaks, MiB: whole {result['whole_forward_mib']:.1f} / "
-             f"{result['whole_backward_mib']:.1f}, DBO {result['dbo_forward_mib']:.1f} / "
-             f"{result['dbo_backward_mib']:.1f}; parameters {result['param_mib']:.0f}")], problems
+    cells = []
+    for wrapper, peaks in result["wrappers"].items():
+        unit = peaks["param_mib"] / 16  # one of the 16 linears
+        for part in ("forward", "backward"):
+            extra = peaks[f"dbo_{part}_mib"] - peaks[f"whole_{part}_mib"]
+            if extra > 2 * unit:
+                problems.append(f"{wrapper}: DBO's {part} peak is {extra:.1f} MiB over the whole "
+                                f"batch's, more than two linears' {2 * unit:.1f} MiB")
+        cells.append(f"{wrapper} {peaks['dbo_forward_mib'] / peaks['whole_forward_mib']:.2f} / "
+                     f"{peaks['dbo_backward_mib'] / peaks['whole_backward_mib']:.2f}")
+    return [("peak memory (one rank), plain and under FSDP2: DBO over the whole batch, "
+             "forward / backward", "; ".join(cells),
+             "the caching allocator's peaks above each pass's start; "
+             f"parameters {peaks['param_mib']:.0f} MiB")], problems
 
 
 _EXAMPLE = ("examples/moe_overlap.py", "--steps", "10", "--tokens", "256", "--json")
@@ -388,10 +389,8 @@ STEPS = (
     Step("compiled", "the demo MoE compiled with inductor on NCCL, eager and under DBO",
          ("benchmarks/moe_compiled.py", "--steps", "10", "--json"), 45, _compiled,
          world_of_one=True),
-    Step("memory", "peak memory of an overlapped backward vs the whole batch",
-         ("benchmarks/backward_memory.py", "--json"), 20, _memory, world_of_one=True),
-    Step("memory-fsdp", "peak memory under FSDP2, DBO vs the whole batch",
-         ("benchmarks/backward_memory.py", "--wrapper", "fsdp", "--json"), 20, _memory,
+    Step("memory", "peak memory of an overlapped call vs the whole batch, plain and FSDP2",
+         ("benchmarks/backward_memory.py", "--wrapper", "none,fsdp", "--json"), 30, _memory,
          world_of_one=True),
     Step("graph", "eager vs graph-replayed DBO at decode sizes",
          ("benchmarks/graph_replay.py", "--json"), 30, _graph),

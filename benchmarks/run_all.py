@@ -209,16 +209,16 @@ def _train_fsdp_rows(result: dict[str, Any]) -> list[Row]:
 
 def _memory_rows(result: dict[str, Any]) -> list[Row]:
     """The backward's peaks; under FSDP2 the forward's too (a plain forward's is tiny)."""
-    parts = ("forward", "backward") if result["wrapper"] == "fsdp" else ("backward",)
-    ratios = "; ".join(
-        f"{result[f'dbo_{part}_mib'] / result[f'whole_{part}_mib']:.2f} / "
-        f"{result[f'dbo_{part}_mib'] / result[f'in_turn_{part}_mib']:.2f}" for part in parts)
-    wrapper = {"none": "", "ddp": " under DDP", "fsdp": " under FSDP2"}[result["wrapper"]]
+    def over(peaks: dict[str, float], part: str) -> str:
+        return (f"{peaks[f'dbo_{part}_mib'] / peaks[f'whole_{part}_mib']:.2f} / "
+                f"{peaks[f'dbo_{part}_mib'] / peaks[f'in_turn_{part}_mib']:.2f}")
+
+    plain, sharded = result["wrappers"]["none"], result["wrappers"]["fsdp"]
     return [(
-        f"`backward_memory.py`{wrapper}: peak memory, DBO over the whole batch / over the same "
-        f"ubatches in turn: {', '.join(parts)}",
-        ratios,
-        f"resident-set peaks above each pass's start, parameters {result['param_mib']:.0f} MiB; "
+        "`backward_memory.py`: peak memory, DBO over the whole batch / over the same ubatches "
+        "in turn: backward; under FSDP2, forward, backward",
+        f"{over(plain, 'backward')}; {over(sharded, 'forward')}, {over(sharded, 'backward')}",
+        f"resident-set peaks above each pass's start, parameters {plain['param_mib']:.0f} MiB; "
         "1 = as much as without DBO, a second copy of the gradients would be ~2 (backward)",
     )]
 
@@ -268,11 +268,10 @@ ITEMS = (
     Item("moe-paths", "benchmarks/moe_paths.py", (), ("--tokens", "64", "--steps", "5"),
          _moe_path_rows),
     Item("compiled", "benchmarks/moe_compiled.py", (), ("--steps", "5"), _compiled_rows),
-    Item("memory", "benchmarks/backward_memory.py", (), ("--rounds", "1"), _memory_rows),
+    Item("memory", "benchmarks/backward_memory.py", ("--wrapper", "none,fsdp"),
+         ("--wrapper", "none,fsdp", "--rounds", "1"), _memory_rows),
     Item("exposed", "benchmarks/exposed_comm.py", ("--steps", "20"), ("--steps", "5"),
          _exposed_rows),
-    Item("memory-fsdp", "benchmarks/backward_memory.py", ("--wrapper", "fsdp"),
-         ("--wrapper", "fsdp", "--rounds", "1"), _memory_rows),
     _example("tp", "examples/tensor_parallel_mlp.py", "5"),
     _example("hf", "examples/hf_moe.py", "5"),
     Item("generate", "examples/generate.py", ("--spawn", "2"),

@@ -377,10 +377,10 @@ def test_without_its_junit_file_the_pytest_step_reads_the_verbose_log(tmp_path: 
         ("compiled", {"graph_breaks": 2, "equal": True, "ms": dict.fromkeys(
             ("eager in turn", "eager DBO", "compiled in turn", "compiled DBO"), 1.0)},
          "2 graph break(s) in the compiled MoE model"),
-        ("memory-fsdp", {"device": "cuda", "wrapper": "fsdp", "param_mib": 64.0,
-                         "whole_forward_mib": 15.0, "whole_backward_mib": 42.0,
-                         "dbo_forward_mib": 74.0, "dbo_backward_mib": 44.0},
-         "DBO's forward peak is 59.0 MiB over the whole batch's"),
+        ("memory", {"device": "cuda", "wrappers": {"fsdp": {
+            "param_mib": 64.0, "whole_forward_mib": 15.0, "whole_backward_mib": 42.0,
+            "dbo_forward_mib": 74.0, "dbo_backward_mib": 44.0}}},
+         "fsdp: DBO's forward peak is 59.0 MiB over the whole batch's"),
         ("workspace", {"rows": [{"device": "cpu", "case": "small", "workspace_us": 1.0,
                                  "empty_us": 2.0}]}, "no CUDA rows"),
     ],
