@@ -4,8 +4,9 @@ Forward: FSDP2 gathers a unit's parameters in its forward pre-hook and, with
 `reshard_after_forward`, frees them in its post-hook. The ubatches of one call are inside
 a unit together (one waits at an exchange while the other computes), so the first to
 leave would free what the other still computes with. `SharedUnits` keeps a unit's
-parameters gathered until its last ubatch has left it: one all-gather and one reshard
-per unit per overlapped forward, however many ubatches. And the ubatches take turns per
+parameters gathered until no ubatch is inside it and each has left it as often (a unit
+may run several times per forward): one all-gather and one reshard per unit run per
+overlapped forward, however many ubatches. And the ubatches take turns per
 unit: a yield as each enters one (a global forward pre-hook, before FSDP2's own), so the
 first cannot gather every unit before the other has left the first (measured, 16 units
 and no other yield: the forward's peak 4.7x the whole batch's, the backward's 3.3x;
@@ -94,10 +95,12 @@ class SharedUnits:
 
         self._fsdp_module = FSDPModule
         self._num_ubatches = num_ubatches
-        self._left: dict[torch.nn.Module, int] = {}
-        """Unit -> how many ubatches have left it."""
+        self._runs: dict[torch.nn.Module, list[int]] = {}
+        """Unit -> how many times each ubatch has left it."""
+        self._inside: dict[torch.nn.Module, int] = {}
+        """Unit -> how many ubatches are inside it now."""
         self._held: dict[torch.nn.Module, _Held] = {}
-        """Unit -> what its first exit held back, until its last."""
+        """Unit -> what an exit held back, until every ubatch has left it as often."""
         self.units: list[torch.nn.Module] = []
         """The units the ubatches ran, in the order they first left them."""
 
@@ -124,18 +127,26 @@ class SharedUnits:
         every unit before the other has left the first."""
         if isinstance(module, self._fsdp_module) and current_context() is not None:
             yield_()
+            self._inside[module] = self._inside.get(module, 0) + 1
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Runs before the unit's own post-hooks (global hooks run first)."""
-        if not isinstance(module, self._fsdp_module) or current_context() is None:
+        """Runs before the unit's own post-hooks (global hooks run first). The exit that
+        leaves no ubatch inside the unit and every ubatch having left it as often (a
+        unit may run several times in one forward) lets FSDP2 reshard it; any other
+        holds the reshard back."""
+        context = current_context()
+        if not isinstance(module, self._fsdp_module) or context is None:
             return
-        left = self._left.get(module, 0) + 1
-        self._left[module] = left
-        if left == 1:
+        runs = self._runs.get(module)
+        if runs is None:
+            runs = self._runs[module] = [0] * self._num_ubatches
             self.units.append(module)
-        if left == 1 and left < self._num_ubatches:
-            self._held[module] = _Held(module)
-        elif left == self._num_ubatches and module in self._held:
+        runs[context.ubatch_id] += 1
+        self._inside[module] -= 1
+        if self._inside[module] or min(runs) < max(runs):
+            if module not in self._held:
+                self._held[module] = _Held(module)
+        elif module in self._held:
             self._held.pop(module).put_back(last=True)
 
 

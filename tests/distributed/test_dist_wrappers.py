@@ -55,6 +55,27 @@ def _sharded(reshard: Any) -> torch.nn.Module:
     return fully_shard(model, reshard_after_forward=reshard)
 
 
+class _Twice(torch.nn.Module):
+    """Three units, the middle one run twice per forward (weights shared across depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.shared, self.last = Block(), Block(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.shared(self.shared(self.first(x))))
+
+
+def _twice_sharded(reshard: Any) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Twice()
+    for block in (model.first, model.shared, model.last):
+        fully_shard(block, reshard_after_forward=reshard)
+    return fully_shard(model, reshard_after_forward=reshard)
+
+
 def _in_turn(model: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.cat([model(part) for part in x.tensor_split(2)])
 
@@ -190,6 +211,17 @@ def _fsdp_checks() -> dict[str, Any]:
     found["next step after a failure"] = _close(
         _grads(model, step, _x(rank, True))[1:],
         _grads(reference, _in_turn(reference), _x(rank, True))[1:])
+    # A unit run twice in one forward: gathered again for its second run where it
+    # reshards, its gradients summed over both runs and both ubatches.
+    for reshard in (True, False):
+        model, reference = _twice_sharded(reshard), _twice_sharded(reshard)
+        step = dbo.overlap(model, timeout_s=60)
+        with torch.no_grad():
+            found[f"unit twice {reshard} forward"] = torch.allclose(
+                step(_x(rank)), _in_turn(reference)(_x(rank)), atol=1e-5)
+        found[f"unit twice {reshard} grads"] = _close(
+            _grads(model, step, _x(rank, True)),
+            _grads(reference, _in_turn(reference), _x(rank, True)))
     return found
 
 
@@ -203,6 +235,9 @@ def test_fsdp2_shares_each_units_gather_and_reduce_and_trains_as_in_turn(
         assert found.pop("no gradient sync, then sync"), rank
         assert found.pop("failed backward") == "KeyError in ubatch 1", rank
         assert found.pop("next step after a failure"), rank
+        for reshard in (True, False):
+            assert found.pop(f"unit twice {reshard} forward"), (rank, reshard)
+            assert found.pop(f"unit twice {reshard} grads"), (rank, reshard)
         for reshard in _reshards(world_size):
             assert found[f"{reshard} forward equal"], (rank, reshard)
             # Three units, each gathered at most once per overlapped forward; in turn,
