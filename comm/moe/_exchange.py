@@ -113,6 +113,13 @@ def refuse_capture() -> None:
         )
 
 
+def check_fixed_ids(received: torch.Tensor, check_ids: bool, num_experts: int) -> None:
+    """`dispatch_fixed`'s id check on its received counts (every rank's flag last): one
+    host read, skipped without `check_ids` and while a CUDA graph is being captured."""
+    if check_ids and not (received.is_cuda and torch.cuda.is_current_stream_capturing()):
+        raise_if_bad_ids(received[:, -1].tolist(), -1, num_experts)
+
+
 def raise_if_bad_ids(flags: list[int], low: int, num_experts: int) -> None:
     """ValueError on every rank when any rank's flag is set: every rank read the same
     flags from the counts exchange, so none is left waiting in the next collective."""

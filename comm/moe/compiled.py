@@ -40,7 +40,7 @@ import dbo
 from comm.compiled import group_name, group_named
 from comm.moe._exchange import (
     agree_on_counts,
-    raise_if_bad_ids,
+    check_fixed_ids,
     refuse_capture,
     send_rows,
     splits_of,
@@ -69,8 +69,7 @@ def _dispatch_exchange(
     assert counts_work is not None and rows_work is not None
     rows_work.wait()
     counts_work.wait(yield_first=False)
-    if check_ids and not (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
-        raise_if_bad_ids(received_counts[:, -1].tolist(), -1, num_experts)
+    check_fixed_ids(received_counts, check_ids, num_experts)
     return received_counts, received
 
 

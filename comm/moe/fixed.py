@@ -25,11 +25,11 @@ from comm.moe import compiled
 from comm.moe._exchange import (
     check_combine,
     check_dispatch,
+    check_fixed_ids,
     check_positive_int,
     counts_with_flags,
     exchange_counts,
     exchange_rows,
-    raise_if_bad_ids,
     run_has_order_token,
     sort_by_expert,
     weighted_sum,
@@ -124,8 +124,7 @@ def dispatch_fixed(
         rows, order_token = exchange_rows(send_rows, None, None, base)
         assert counts_work is not None
         counts_work.wait(yield_first=False)
-        if check_ids and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            raise_if_bad_ids(received[:, -1].tolist(), -1, num_experts)
+        check_fixed_ids(received, check_ids, num_experts)
     # rows: [W sources, E_local, capacity, H] -> [E_local, W * capacity, H]
     recv_x = rows.view(world_size, num_local_experts, capacity, -1).transpose(0, 1)
     recv_x = recv_x.reshape(num_local_experts, world_size * capacity, -1)
