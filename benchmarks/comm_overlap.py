@@ -52,6 +52,7 @@ import math
 import multiprocessing
 import os
 import random
+import socket
 import statistics
 import sys
 import threading
@@ -584,16 +585,23 @@ def main() -> None:
         "--json", action="store_true", help="end with one JSON line of the results"
     )
     args = parser.parse_args()
-    context = multiprocessing.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, WORLD_SIZE, is_master=True, wait_for_workers=False)
+    # Forked ranks start with this process's imports; the store serves on a socket bound
+    # before they start (a free port that stays ours), its thread started after them.
+    context = multiprocessing.get_context("fork")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     queue = context.Queue()
     processes = [
-        context.Process(target=_rank_main, args=(rank, store.port, args, queue), daemon=True)
+        context.Process(target=_rank_main, args=(rank, port, args, queue), daemon=True)
         for rank in range(WORLD_SIZE)
     ]
     started = time.perf_counter()
     for process in processes:
         process.start()
+    store = dist.TCPStore(  # noqa: F841 - serves the ranks' rendezvous while it lives
+        "127.0.0.1", port, WORLD_SIZE, is_master=True, wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+    )
     try:
         report = _wait_for_report(queue, processes, started + args.timeout_s)
     finally:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
@@ -83,11 +84,19 @@ def launch(rank_main: RankMain, args: argparse.Namespace) -> None:
         raise SystemExit(f"--spawn needs at least 1 rank, got {args.spawn}")
     import torch.multiprocessing as mp
 
-    # Port 0: the OS picks a free port, and it stays ours while the ranks join.
-    store = dist.TCPStore("127.0.0.1", 0, args.spawn, is_master=True, wait_for_workers=False)
+    # Port 0: the OS picks a free port, and it stays ours while the ranks join: the
+    # socket is bound and listening before they start, and the store serves on it after.
+    listener = socket.create_server(("127.0.0.1", 0))
+    # Forked, the ranks start with this process's imports instead of importing torch
+    # again (seconds each). The parent has run no tensor op and started no thread of its
+    # own yet: the store's server thread starts only once the ranks exist.
     context = mp.start_processes(
-        _spawned_rank, args=(rank_main, args, store.port), nprocs=args.spawn,
-        join=False, start_method="spawn",
+        _spawned_rank, args=(rank_main, args, listener.getsockname()[1]), nprocs=args.spawn,
+        join=False, start_method="fork",
+    )
+    store = dist.TCPStore(  # noqa: F841 - serves the ranks' rendezvous while it lives
+        "127.0.0.1", listener.getsockname()[1], args.spawn, is_master=True,
+        wait_for_workers=False, master_listen_fd=listener.fileno(),
     )
     limit_s = args.timeout_s + 60  # start-up and the checks on top of the collectives
     deadline = time.monotonic() + limit_s

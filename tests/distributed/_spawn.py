@@ -3,15 +3,20 @@
     results = run_world(check_something, world_size=2, args=(...,), timeout_s=60)
     values = expect_ok(results)          # raises AssertionError with the ranks' tracebacks
 
+Ranks are forked from one forkserver per test session, which imports torch, dbo, comm
+and workspace once (`set_forkserver_preload`): a rank then starts in a fraction of a
+second instead of importing torch afresh. Each rank takes the parent's environment as it
+is at `run_world`, as a spawned process would.
+
 The parent hosts the rendezvous store (a `TCPStore` bound to port 0 on 127.0.0.1, so
 the kernel picks a free port and nobody can take it before the ranks connect) and
 starts each rank with the environment torchrun gives it (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT, and TORCHELASTIC_USE_AGENT_STORE=True so that every rank is a
 client of the parent's store, as under torchrun's agent), and with no GPU visible
-(CUDA_VISIBLE_DEVICES empty): these are the gloo tests, and on a machine with a GPU
-`comm.init_distributed()`'s defaults would otherwise be NCCL on cuda:LOCAL_RANK. Each
-rank sets one intra-op thread and calls `fn(*args)`; the function calls
-`comm.init_distributed()` itself.
+(CUDA_VISIBLE_DEVICES empty, set before anything initializes CUDA): these are the gloo
+tests, and on a machine with a GPU `comm.init_distributed()`'s defaults would otherwise
+be NCCL on cuda:LOCAL_RANK. Each rank sets one intra-op thread and calls `fn(*args)`;
+the function calls `comm.init_distributed()` itself.
 
 Result passing: each rank sends one message on its own pipe: its return value, or the
 exception's type name, message and traceback; `torch.save` bytes, so tensors travel too.
@@ -22,14 +27,13 @@ not exit within `exit_timeout_s` are killed and flagged (`exited` False).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import multiprocessing
 import multiprocessing.connection
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,15 +59,22 @@ class RankResult:
     exit_code: int | None = None
 
 
+_PRELOAD = ["torch", "torch.distributed", "dbo", "comm", "workspace"]
+
+
 def _rank_main(
     fn: Callable[..., Any],
     args: Sequence[Any],
+    environment: dict[str, str],
     rank: int,
     world_size: int,
     port: int,
     connection: multiprocessing.connection.Connection,
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
+        CUDA_VISIBLE_DEVICES="",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -106,19 +117,23 @@ def _rank_main(
     os._exit(exit_code)
 
 
-def start_together(timeout_s: float = 60.0) -> None:
-    """Wait (in a rank) until every rank of the world has called this.
-
-    For tests that initialize with a short collective timeout: process start-up times
-    differ (importing torch), and `init_process_group`'s rendezvous uses that timeout too.
-    Uses the parent's store with its own key and timeout.
-    """
-    store = dist.TCPStore(
+def _parents_store(timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         is_master=False,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def start_together(timeout_s: float = 60.0) -> None:
+    """Wait (in a rank) until every rank of the world has called this.
+
+    For tests that initialize with a short collective timeout: process start-up times
+    differ, and `init_process_group`'s rendezvous uses that timeout too. Uses the
+    parent's store with its own key and timeout.
+    """
+    store = _parents_store(timeout_s)
     world_size = int(os.environ["WORLD_SIZE"])
     store.add("start_together", 1)
     deadline = time.monotonic() + timeout_s
@@ -128,17 +143,14 @@ def start_together(timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-@contextlib.contextmanager
-def _no_visible_gpu() -> Iterator[None]:
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+def tell(key: str) -> None:
+    """Set `key` in the parent's store (in a rank), for `wait_for` in the others."""
+    _parents_store(10.0).set(key, "1")
+
+
+def wait_for(key: str, timeout_s: float = 60.0) -> None:
+    """Wait (in a rank) until some rank has called `tell(key)`; raises past `timeout_s`."""
+    _parents_store(timeout_s).wait([key])
 
 
 def run_world(
@@ -153,7 +165,8 @@ def run_world(
     `fn` must be importable by name (a module-level function). Raises TimeoutError (after
     killing every process) if some rank has not reported within `timeout_s`.
     """
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # takes effect when the server first starts
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     processes = []
     receivers: dict[int, multiprocessing.connection.Connection] = {}
@@ -162,12 +175,11 @@ def run_world(
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
                 target=_rank_main,
-                args=(fn, tuple(args), rank, world_size, store.port, sender),
+                args=(fn, tuple(args), dict(os.environ), rank, world_size, store.port, sender),
                 name=f"rank{rank}",
                 daemon=True,
             )
-            with _no_visible_gpu():  # the child's environment is copied at its start
-                process.start()
+            process.start()
             sender.close()  # the child holds the only write end: EOF when it dies
             processes.append(process)
             receivers[rank] = receiver

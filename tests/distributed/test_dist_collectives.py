@@ -10,13 +10,12 @@ both runs still fails.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-from _spawn import expect_ok, run_world, start_together
+from _spawn import expect_ok, run_world, start_together, tell, wait_for
 
 import comm
 import dbo
@@ -179,7 +178,7 @@ def _waits_after_a_peer_never_joins(first_timeout_ms: int | None) -> list[str]:
     start_together()
     rank = comm.init_distributed(timeout_s=3)[0]
     if rank == 1:
-        time.sleep(12)  # never joins the all-reduce below
+        wait_for("rank 0 waited", timeout_s=60)  # never joins the all-reduce below
         return []
     seen: list[str] = []
     handle = comm.all_reduce(torch.ones(2), async_op=True)
@@ -204,6 +203,7 @@ def _waits_after_a_peer_never_joins(first_timeout_ms: int | None) -> list[str]:
         for later in errors[1:]
     )
     seen.append("later waits chain the first error" if chained else repr(errors))
+    tell("rank 0 waited")
     return seen
 
 

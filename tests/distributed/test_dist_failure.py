@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _spawn import expect_ok, run_world, start_together
+from _spawn import expect_ok, run_world, start_together, tell, wait_for
 
 import comm
 import dbo
@@ -43,12 +43,13 @@ def _overlapped_forward(failing_rank: int, fail_at_step: int | None):
     return dbo.overlap(forward)
 
 
-def _fail_one_rank(failing_rank: int, timeout_s: float, hold_s: float) -> dict[str, object]:
+def _fail_one_rank(failing_rank: int, timeout_s: float, hold: bool) -> dict[str, object]:
     """Run a good forward, then one where `failing_rank` raises inside ubatch 1.
 
-    The failing rank stays alive for `hold_s` after its error (so the others can only
-    learn about it from the group's timeout), then returns; the others return when
-    their forward raised. Returns what happened, with wall-clock times (one machine).
+    With `hold`, the failing rank stays alive after its error until every other rank has
+    raised (so they can only learn about it from the group's timeout), then returns; the
+    others return when their forward raised. Returns what happened, with wall-clock times
+    (one machine).
     """
     start_together()  # the short timeout also bounds the rendezvous
     rank, world, _ = comm.init_distributed(timeout_s=timeout_s)
@@ -60,8 +61,12 @@ def _fail_one_rank(failing_rank: int, timeout_s: float, hold_s: float) -> dict[s
         _overlapped_forward(failing_rank, 2)(x)
     except Exception as error:
         raised_at = time.time()
-        if rank == failing_rank and hold_s > 0:
-            time.sleep(hold_s)
+        if rank != failing_rank:
+            tell(f"rank {rank} raised")
+        elif hold:
+            for other in range(world):
+                if other != rank:
+                    wait_for(f"rank {other} raised", timeout_s=30)
         return {
             "rank": rank,
             "error_type": type(error).__name__,
@@ -74,15 +79,15 @@ def _fail_one_rank(failing_rank: int, timeout_s: float, hold_s: float) -> dict[s
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("world_size", "hold_s"),
-    [(2, 0.0), (3, 6.0)],
+    ("world_size", "hold"),
+    [(2, False), (3, True)],
     ids=["failing-rank-exits", "failing-rank-stays-alive"],
 )
-def test_one_rank_raises_inside_overlap_every_rank_errors(world_size: int, hold_s: float) -> None:
+def test_one_rank_raises_inside_overlap_every_rank_errors(world_size: int, hold: bool) -> None:
     timeout_s = 2.0
     failing_rank = 1
     results = run_world(
-        _fail_one_rank, world_size, args=(failing_rank, timeout_s, hold_s), timeout_s=60
+        _fail_one_rank, world_size, args=(failing_rank, timeout_s, hold), timeout_s=60
     )
     values = expect_ok(results)  # each rank returned its record (none hung or crashed)
     assert all(r.exited for r in results), [(r.rank, r.exit_code) for r in results]
@@ -96,7 +101,7 @@ def test_one_rank_raises_inside_overlap_every_rank_errors(world_size: int, hold_
         waited = value["raised_at"] - failed["raised_at"]
         # The group's timeout bounds the wait (slack: 2 loaded CPU cores).
         assert waited < timeout_s + 4.0, (value, failed)
-        if hold_s > 0:
+        if hold:
             # Still alive, the failing rank cannot close connections: only the timeout
             # ends the wait, so it took about timeout_s.
             assert waited > 0.5 * timeout_s, (value, failed)
