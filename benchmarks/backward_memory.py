@@ -110,15 +110,20 @@ def measure(args: argparse.Namespace, wrapper: str, device: torch.device) -> dic
                                      for part in ("forward", "backward")}
     for forward in forwards.values():  # warm up: threads, DDP's buckets, FSDP2's state
         forward().square().sum().backward()
-    for _ in range(args.rounds):
-        for mode, forward in forwards.items():
-            wrapped.zero_grad(set_to_none=True)
-            loss, forward_mib = peak_mib(lambda forward=forward: forward().square().sum(),
-                                         device)
-            _, backward_mib = peak_mib(loss.backward, device)
-            peaks[f"{mode}_forward_mib"].append(forward_mib)
-            peaks[f"{mode}_backward_mib"].append(backward_mib)
-            del loss
+    gc.collect()
+    gc.freeze()  # each measurement's gc.collect() then scans only what it made, not torch's
+    try:
+        for _ in range(args.rounds):
+            for mode, forward in forwards.items():
+                wrapped.zero_grad(set_to_none=True)
+                loss, forward_mib = peak_mib(
+                    lambda forward=forward: forward().square().sum(), device)
+                _, backward_mib = peak_mib(loss.backward, device)
+                peaks[f"{mode}_forward_mib"].append(forward_mib)
+                peaks[f"{mode}_backward_mib"].append(backward_mib)
+                del loss
+    finally:
+        gc.unfreeze()
     return {"param_mib": param_mib, **{key: statistics.median(v) for key, v in peaks.items()}}
 
 

@@ -71,14 +71,15 @@ def test_a_run_keeps_to_the_budget_whatever_hangs_and_reports_the_steps_left_out
              *(_step(f"hang{i}", "hang.py", timeout_s=30) for i in range(3)))
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
     monkeypatch.setattr(gpu_check, "STEPS", steps)
-    monkeypatch.setattr(gpu_check, "BUDGET_S", 8.0)
+    monkeypatch.setattr(gpu_check, "BUDGET_S", 3.0)
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1.0)
     begin = time.monotonic()
     assert gpu_check.main([str(tmp_path / "out")]) == 1
-    assert time.monotonic() - begin < 8.0 + 2 * gpu_check.KILL_GRACE_S + 5
+    assert time.monotonic() - begin < 3.0 + 2 * gpu_check.KILL_GRACE_S + 5
     data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     statuses = {step["name"]: (step["status"], step["why"]) for step in data["steps"]}
     assert statuses["hang0"][0] == "timed out"
-    assert statuses["hang2"] == ("not run", "the 8 s budget of the check was spent")
+    assert statuses["hang2"] == ("not run", "the 3 s budget of the check was spent")
 
 
 def test_a_killed_run_leaves_a_whole_report_of_the_steps_so_far(tmp_path: Path) -> None:
